@@ -1,0 +1,264 @@
+"""Every message that crosses Kafka, in one module.
+
+Each model names its direction (producer → consumer) and states its invariants. Evolution is
+additive: a new field is optional with a default, and older readers ignore fields they do not
+know. A breaking change is a new message type on a new topic, never a reused name.
+``schema_version`` is checked on decode: a version this code does not speak is a dead letter.
+
+Token ids and logprobs are ``list[int]`` / ``list[float]`` in Python and travel as packed
+little-endian int32 / float32 bytes (see :mod:`shared.codec` for the measurement behind that).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from array import array
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SerializationInfo,
+    field_validator,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+_LITTLE = sys.byteorder == "little"
+
+
+def _unpack(typecode: str) -> Any:
+    def unpack(value: Any) -> Any:
+        if isinstance(value, bytes | bytearray | memoryview):
+            arr = array(typecode)
+            arr.frombytes(value)
+            if not _LITTLE:
+                arr.byteswap()
+            return arr.tolist()
+        return value
+
+    return unpack
+
+
+def _pack(typecode: str) -> Any:
+    def pack(value: list[Any], info: SerializationInfo) -> Any:
+        if not (info.context and info.context.get("packed")):
+            return value
+        arr = array(typecode, value)
+        if not _LITTLE:
+            arr.byteswap()
+        return arr.tobytes()
+
+    return pack
+
+
+TokenIds = Annotated[list[int], BeforeValidator(_unpack("i")), PlainSerializer(_pack("i"))]
+"""Token ids; int32 bytes on the wire."""
+Logprobs = Annotated[list[float], BeforeValidator(_unpack("f")), PlainSerializer(_pack("f"))]
+"""Per-token log-probabilities; float32 bytes on the wire."""
+
+
+class Message(BaseModel):
+    """Base of every wire type."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v not in SUPPORTED_SCHEMA_VERSIONS:
+            raise ValueError(f"unsupported schema_version {v}; this build speaks {SCHEMA_VERSION}")
+        return v
+
+
+class Sampling(BaseModel):
+    """How a completion is sampled; travels inside Prompt and StepRequest."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=16, ge=1)
+
+
+class Prompt(Message):
+    """learner feeder or ``rlbus feed`` → rollout. One GRPO group to roll out.
+
+    ``group_id`` is deterministic (run name + index) so a re-sent prompt is recognisable.
+    """
+
+    group_id: str
+    task: str
+    spec: dict[str, Any]
+    group_size: int = Field(ge=1)
+    sampling: Sampling = Sampling()
+    created_at: float = Field(default_factory=time.time)
+
+
+class StepRequest(Message):
+    """rollout → inference. One model call of one episode turn.
+
+    ``request_id`` is ``<episode_id>/t<turn>``: a re-send after a timeout reuses it, so the
+    requester drops whichever duplicate answer arrives second. The answer goes to partition
+    ``reply_partition`` of steps.results, which only the requesting rollout instance reads.
+    """
+
+    request_id: str
+    episode_id: str
+    turn: int = Field(ge=0)
+    input_ids: TokenIds
+    sampling: Sampling = Sampling()
+    reply_partition: int = Field(ge=0)
+    sent_at: float = Field(default_factory=time.time)
+
+    @field_validator("input_ids")
+    @classmethod
+    def _non_empty(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("input_ids is empty")
+        return v
+
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+class StepResult(Message):
+    """inference → the rollout instance that asked. One completion.
+
+    Invariant: ``len(logprobs) == len(completion_ids)``; ``policy_version`` is the weight
+    version that produced every token. ``finish_reason == "error"`` carries ``error`` and no
+    tokens: the requester decides whether to retry or fail the episode.
+    """
+
+    request_id: str
+    episode_id: str
+    completion_ids: TokenIds = []
+    logprobs: Logprobs = []
+    finish_reason: FinishReason
+    policy_version: int = Field(ge=0)
+    error: str | None = None
+    replica: str = ""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> StepResult:
+        _check_aligned(self.completion_ids, self.logprobs)
+        return self
+
+
+def _check_aligned(ids: list[int], logprobs: list[float]) -> None:
+    if len(ids) != len(logprobs):
+        raise ValueError(f"{len(logprobs)} logprobs for {len(ids)} completion tokens")
+    if any(math.isnan(x) or x > 0.0 for x in logprobs):
+        raise ValueError("logprobs must be finite and <= 0")
+
+
+class Turn(BaseModel):
+    """One turn of an episode, inside Trajectory.
+
+    ``input_ids`` are the tokens appended to the context before this turn's completion (the
+    prompt for turn 0, the environment's observation afterwards); the model saw
+    ``concat(input_ids, completion_ids of every earlier turn …)`` exactly as sent.
+    Invariant: ``len(logprobs) == len(completion_ids)``.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    input_ids: TokenIds
+    completion_ids: TokenIds
+    logprobs: Logprobs
+    policy_version: int = Field(ge=0)
+    finish_reason: FinishReason = "stop"
+    action: str = ""
+    observation: str = ""
+    env_reward: float = 0.0
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Turn:
+        _check_aligned(self.completion_ids, self.logprobs)
+        return self
+
+
+class Trajectory(Message):
+    """rollout → reward. One finished (or failed) episode.
+
+    ``episode_id`` is ``<group_id>/<index>``. A failed episode (``status == "failed"``, with
+    ``error``) is still published so the group completes; the learner masks it instead of
+    scoring it 0.
+    """
+
+    episode_id: str
+    group_id: str
+    index: int = Field(ge=0)
+    group_size: int = Field(ge=1)
+    task: str
+    spec: dict[str, Any]
+    turns: list[Turn]
+    status: Literal["ok", "failed"] = "ok"
+    error: str | None = None
+    started_at: float = 0.0
+    finished_at: float = Field(default_factory=time.time)
+
+    @property
+    def min_version(self) -> int:
+        return min((t.policy_version for t in self.turns), default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t.input_ids) + len(t.completion_ids) for t in self.turns)
+
+
+class ScoredTrajectory(Message):
+    """reward → learner. A trajectory with its verified reward.
+
+    ``valid`` is False for failed episodes and for verifiers that raised or timed out; the
+    learner masks those. Invariant: ``reward`` is finite.
+    """
+
+    trajectory: Trajectory
+    reward: float
+    valid: bool = True
+    verifier: str = ""
+    error: str | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"reward must be finite, got {v}")
+        return v
+
+
+class WeightVersion(Message):
+    """learner → every inference replica and rollout instance (compacted, keyed by model).
+
+    The weights live at ``uri`` (a safetensors folder); ``checksum`` is the sha256 of the
+    safetensors file, checked before loading.
+    """
+
+    model: str
+    version: int = Field(ge=0)
+    uri: str
+    checksum: str
+    step: int = Field(ge=0)
+    created_at: float = Field(default_factory=time.time)
+
+
+class DeadLetter(Message):
+    """any service → operators. A message that could not be decoded or handled."""
+
+    source_topic: str
+    partition: int
+    offset: int
+    error: str
+    service: str
+    key: bytes | None = None
+    payload: bytes = b""
+    failed_at: float = Field(default_factory=time.time)
