@@ -30,6 +30,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import CommitFailedError
+from aiokafka.helpers import create_ssl_context
+from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 
 from shared.codec import DecodeError, decode, encode
@@ -325,8 +330,6 @@ def client_options(kafka: KafkaSettings) -> dict[str, Any]:
         "request_timeout_ms": int(kafka.request_timeout_s * 1000),
     }
     if kafka.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
         opts["ssl_context"] = create_ssl_context(
             cafile=str(kafka.ssl_cafile) if kafka.ssl_cafile else None,
             certfile=str(kafka.ssl_certfile) if kafka.ssl_certfile else None,
@@ -342,8 +345,6 @@ def client_options(kafka: KafkaSettings) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def admin_client(kafka: KafkaSettings) -> AsyncIterator[Any]:
-    from aiokafka.admin import AIOKafkaAdminClient
-
     admin = AIOKafkaAdminClient(**client_options(kafka))
     await with_timeout(admin.start(), kafka.request_timeout_s, "admin connect")
     try:
@@ -390,8 +391,6 @@ class KafkaProducer(Producer):
         await with_timeout(self._p.commit_transaction(), self._timeout, "commit transaction")
 
     async def send_offsets(self, offsets: dict[TP, int], group_id: str) -> None:
-        from aiokafka.structs import TopicPartition
-
         tps = {TopicPartition(t, p): o for (t, p), o in offsets.items()}
         await with_timeout(
             self._p.send_offsets_to_transaction(tps, group_id), self._timeout, "send offsets"
@@ -427,9 +426,6 @@ class KafkaConsumer(Consumer[M]):
         ]
 
     async def _commit(self, offsets: dict[TP, int]) -> None:
-        from aiokafka.errors import CommitFailedError
-        from aiokafka.structs import TopicPartition
-
         tps = {TopicPartition(t, p): o for (t, p), o in offsets.items()}
         try:
             await with_timeout(self._c.commit(tps), self._timeout, "commit")
@@ -442,13 +438,9 @@ class KafkaConsumer(Consumer[M]):
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
     async def seek(self, tp: TP, offset: int) -> None:
-        from aiokafka.structs import TopicPartition
-
         self._c.seek(TopicPartition(*tp), offset)
 
     async def end_offsets(self, tps: list[TP]) -> dict[TP, int]:
-        from aiokafka.structs import TopicPartition
-
         got = await with_timeout(
             self._c.end_offsets([TopicPartition(*tp) for tp in tps]), self._timeout, "offsets"
         )
@@ -461,7 +453,7 @@ class KafkaConsumer(Consumer[M]):
             log.warning("consumer did not stop in %.0fs; abandoning it", self._timeout)
 
 
-class _Listener:
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Commits acked work before a rebalance takes partitions away (aiokafka's advice)."""
 
     def __init__(self, on_assign: AssignCallback | None) -> None:
@@ -487,8 +479,6 @@ class KafkaBus(Bus):
         self._clients: list[Producer | Consumer[Any]] = []
 
     async def producer(self, *, transactional_id: str | None = None) -> Producer:
-        from aiokafka import AIOKafkaProducer
-
         p = AIOKafkaProducer(
             **client_options(self.kafka),
             enable_idempotence=True,  # implies acks=all
@@ -512,9 +502,6 @@ class KafkaBus(Bus):
         read_committed: bool = False,
         on_assign: AssignCallback | None = None,
     ) -> Consumer[M]:
-        from aiokafka import AIOKafkaConsumer
-        from aiokafka.structs import TopicPartition
-
         c = AIOKafkaConsumer(
             **client_options(self.kafka),
             group_id=group_id,

@@ -109,6 +109,8 @@ def test_offset_tracker_commits_only_contiguous_prefix():
 
 def test_dead_letter_keeps_raw_payload():
     raw = msgpack.packb({"x": 1})
-    letter = DeadLetter(source_topic="a", partition=1, offset=2, error="e", service="s", payload=raw)
+    letter = DeadLetter(
+        source_topic="a", partition=1, offset=2, error="e", service="s", payload=raw
+    )
     assert letter.payload == raw
     assert factories.dead_letter().offset == 4
