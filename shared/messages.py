@@ -100,6 +100,9 @@ class Prompt(Message):
     spec: dict[str, Any]
     group_size: int = Field(ge=1)
     sampling: Sampling = Sampling()
+    min_version: int = Field(default=0, ge=0)
+    """Oldest policy version allowed to sample this group (the learner's version when it
+    admitted the group); inference waits for these weights rather than serve staler ones."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -117,6 +120,8 @@ class StepRequest(Message):
     input_ids: TokenIds
     sampling: Sampling = Sampling()
     reply_partition: int = Field(ge=0)
+    min_version: int = Field(default=0, ge=0)
+    """Copied from the Prompt: the engine must hold at least this version."""
     sent_at: float = Field(default_factory=time.time)
 
     @field_validator("input_ids")

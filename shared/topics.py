@@ -22,6 +22,7 @@ from shared.messages import (
     WeightVersion,
 )
 from shared.settings import KafkaSettings, TopicSettings
+from shared.transport import MemoryBroker, admin_client
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ async def ensure_topics(kafka: KafkaSettings, topics: TopicSettings) -> list[str
     from aiokafka.admin import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    from shared.transport import admin_client
-
     specs = Topics(topics).catalogue()
     async with admin_client(kafka) as admin:
         existing = await _partition_counts(admin, [s.name for s in specs])
@@ -124,3 +123,8 @@ async def _partition_counts(admin: object, names: list[str]) -> dict[str, int]:
         return {}
     described = await admin.describe_topics(wanted)  # type: ignore[attr-defined]
     return {d["topic"]: len(d["partitions"]) for d in described}
+
+
+def memory_broker(topics: TopicSettings) -> MemoryBroker:
+    """An in-memory broker with the catalogue's topics and partition counts (unit tests)."""
+    return MemoryBroker({spec.name: spec.partitions for spec in Topics(topics).catalogue()})

@@ -1,0 +1,195 @@
+"""Inference engines: token ids in, token ids and per-token logprobs out.
+
+Every engine reports logprobs of the sampled tokens under the *unmodified* policy
+(temperature 1, no top-p), which is what the learner recomputes; the importance ratio is
+then exactly 1 for an on-policy sample at temperature 1, and measures staleness otherwise.
+Weights are swapped only between batches (``load``), never inside a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.inference.settings import InferenceSettings
+from shared.messages import FinishReason, Sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class Engine(ABC):
+    """A batch generator with a policy version."""
+
+    version: int = 0
+
+    @abstractmethod
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        """Complete every prompt with the same sampling parameters."""
+
+    @abstractmethod
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        """Replace the weights (between batches)."""
+
+    async def close(self) -> None:
+        return None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_file(uri: str) -> Path:
+    """The safetensors file of a weight-store entry (a folder or the file itself)."""
+    path = Path(uri.removeprefix("file://"))
+    return path / "model.safetensors" if path.is_dir() else path
+
+
+class ChecksumMismatchError(RuntimeError):
+    """The weights on disk are not the ones the WeightVersion announced."""
+
+
+def verified_weights(uri: str, checksum: str) -> Path:
+    path = weights_file(uri)
+    actual = file_sha256(path)
+    if actual != checksum:
+        raise ChecksumMismatchError(f"{path}: sha256 {actual[:12]}… != announced {checksum[:12]}…")
+    return path
+
+
+# --------------------------------------------------------------------------- hf
+
+
+class HFEngine(Engine):
+    """transformers + torch, any local causal LM folder; CPU or GPU."""
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if settings.model_path is None:
+            raise ValueError("the hf engine needs RLBUS_MODEL_PATH (a Hugging Face model folder)")
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        torch.manual_seed(settings.seed)
+        self.torch = torch
+        self.device = torch.device(settings.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            settings.model_path, dtype=getattr(torch, settings.dtype)
+        )
+        self.model = model.to(self.device)
+        self.model.eval()
+        gen = self.model.generation_config
+        self.pad_id = _first(gen.pad_token_id, self.model.config.pad_token_id, 0)
+        eos = _first(gen.eos_token_id, self.model.config.eos_token_id)
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        return await asyncio.to_thread(self._generate, prompts, sampling)
+
+    def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        torch = self.torch
+        input_ids, attention = self._left_pad(prompts)
+        greedy = sampling.temperature == 0.0
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None,
+                max_new_tokens=sampling.max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids) or None,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        new = out.sequences[:, input_ids.shape[1] :]  # (B, N)
+        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw, before sampling
+        logp = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        return [self._trim(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[Any, Any]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _trim(self, ids: list[int], logprobs: list[float]) -> Generation:
+        for i, tok in enumerate(ids):
+            if tok in self.eos_ids:
+                return Generation(ids[: i + 1], logprobs[: i + 1], "stop")
+        return Generation(ids, logprobs, "length")
+
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        path = await asyncio.to_thread(verified_weights, uri, checksum)
+        await asyncio.to_thread(self._load_file, path)
+        self.version = version
+
+    def _load_file(self, path: Path) -> None:
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(path), device=str(self.device))
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+class SyntheticEngine(Engine):
+    """No model: waits as long as the latency model says and returns uniform tokens."""
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        self.cfg = settings.synthetic
+        self.rng = random.Random(settings.seed)
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        n = min(self.cfg.completion_tokens, sampling.max_new_tokens)
+        await asyncio.sleep((self.cfg.base_ms + self.cfg.per_token_ms * n) / 1000)
+        lp = -math.log(self.cfg.vocab_size)
+        vocab = self.cfg.vocab_size
+        return [
+            Generation([self.rng.randrange(vocab) for _ in range(n)], [lp] * n, "stop")
+            for _ in prompts
+        ]
+
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        self.version = version  # nothing to load; the version still flows through
+
+
+def make_engine(settings: InferenceSettings) -> Engine:
+    if settings.engine == "hf":
+        return HFEngine(settings)
+    if settings.engine == "synthetic":
+        return SyntheticEngine(settings)
+    from services.inference.vllm_engine import VLLMEngine
+
+    engine: Engine = VLLMEngine(settings)
+    return engine

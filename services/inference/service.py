@@ -1,0 +1,191 @@
+"""Inference: a stateless consumer group over steps that answers with completions.
+
+Delivery contract: at-least-once. A step request is acked (and its offset committed) only
+after its result is acknowledged by the broker, so a replica killed mid-batch leaves its
+requests to another replica; the requester drops the duplicate answer by ``request_id``.
+Weights are reloaded between batches, never mid-sequence; every result carries the version
+that produced all of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from services.inference.engines import Engine, Generation, make_engine
+from services.inference.settings import InferenceSettings
+from shared.messages import Sampling, StepRequest, StepResult, WeightVersion
+from shared.service import Service
+from shared.transport import Bus, Consumer, Delivery, Producer
+
+log = logging.getLogger(__name__)
+
+
+class Inference(Service):
+    name = "inference"
+
+    def __init__(
+        self, settings: InferenceSettings, bus: Bus | None = None, engine: Engine | None = None
+    ) -> None:
+        super().__init__(settings, bus)
+        self.cfg = settings
+        self.engine = engine
+        self._latest: WeightVersion | None = None
+        self._new_weights = asyncio.Event()
+
+    async def setup(self) -> None:
+        if self.engine is None:
+            # Loaded on the loop thread: transformers' meta-device init is not thread-safe,
+            # and nothing else runs before setup ends anyway.
+            self.engine = make_engine(self.cfg)
+        self.producer: Producer = await self.bus.producer()
+        self.weights: Consumer[WeightVersion] = await self.bus.consumer(
+            [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
+        )
+        await self._catch_up_weights()
+        self.steps: Consumer[StepRequest] = await self.bus.consumer(
+            [self.topics.steps], StepRequest, group_id=self.cfg.group
+        )
+        self.spawn("weights", self._watch_weights())
+
+    async def _catch_up_weights(self) -> None:
+        """A (re)started replica serves the newest published weights from its first batch."""
+        (end,) = (await self.weights.end_offsets([(self.topics.weights, 0)])).values()
+        seen = 0
+        while seen < end:
+            batch = await self.weights.poll(0.5)
+            seen = max([seen, *(d.offset + 1 for d in batch)])
+            self._note_weights(batch)
+        await self._maybe_reload()
+
+    async def _watch_weights(self) -> None:
+        while not self.stopping:
+            self._note_weights(await self.weights.poll(1.0))
+
+    def _note_weights(self, batch: list[Delivery[WeightVersion]]) -> None:
+        for d in batch:
+            w = d.message
+            if w.model == self.cfg.model_name and (
+                self._latest is None or w.version > self._latest.version
+            ):
+                self._latest = w
+                self._new_weights.set()
+
+    async def _maybe_reload(self) -> None:
+        assert self.engine is not None
+        w = self._latest
+        if w is None or w.version <= self.engine.version:
+            return
+        t0 = time.perf_counter()
+        await self.engine.load(w.uri, w.checksum, w.version)
+        self.bump("reloads")
+        log.info("loaded weights v%d in %.2fs", w.version, time.perf_counter() - t0)
+
+    async def _await_version(self, needed: int) -> None:
+        """A request admitted at version v must not be served by older weights: that is
+        what keeps staleness within the learner's bound, whatever the topics' relative lag."""
+        deadline = time.monotonic() + self.cfg.version_wait_s
+        while (self._latest.version if self._latest else 0) < needed:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.stopping:
+                log.warning("weights v%d not announced in time; serving older ones", needed)
+                self.bump("version_wait_timeouts")
+                return
+            self._new_weights.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_weights.wait(), left)
+        await self._maybe_reload()
+
+    async def main(self) -> None:
+        while not self.stopping:
+            await self._maybe_reload()
+            batch = await self._next_batch()
+            if batch:
+                await self._serve(batch)
+
+    async def _next_batch(self) -> list[Delivery[StepRequest]]:
+        batch = await self.steps.poll(0.5, self.cfg.max_batch_size)
+        if batch and len(batch) < self.cfg.max_batch_size and self.cfg.batch_wait_ms > 0:
+            await asyncio.sleep(self.cfg.batch_wait_ms / 1000)
+            batch += await self.steps.poll(0.0, self.cfg.max_batch_size - len(batch))
+        return batch
+
+    async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
+        await self._await_version(max(d.message.min_version for d in batch))
+        valid = [d for d in batch if self._routable(d)]
+        results = await self._generate(valid)
+        await asyncio.gather(*(self._reply(d, r) for d, r in zip(valid, results, strict=True)))
+        for d in batch:
+            self.steps.ack(d)
+        await self.steps.commit()
+        self.count_input(len(batch))
+        self.bump("tokens", sum(len(r.completion_ids) for r in results))
+
+    def _routable(self, d: Delivery[StepRequest]) -> bool:
+        if d.message.reply_partition < self.settings.topics.result_partitions:
+            return True
+        log.warning(
+            "request %s asks for reply partition %d of %d; dropped",
+            d.message.request_id, d.message.reply_partition,
+            self.settings.topics.result_partitions,
+        )
+        self.bump("unroutable")
+        return False
+
+    async def _generate(self, batch: list[Delivery[StepRequest]]) -> list[StepResult]:
+        """One engine call per distinct sampling setting; errors become error results."""
+        assert self.engine is not None
+        by_sampling: dict[Sampling, list[int]] = defaultdict(list)
+        for i, d in enumerate(batch):
+            by_sampling[d.message.sampling].append(i)
+        out: list[StepResult | None] = [None] * len(batch)
+        version = self.engine.version
+        for sampling, idx in by_sampling.items():
+            gens = await self._safe_generate([batch[i].message.input_ids for i in idx], sampling)
+            for i, g in zip(idx, gens, strict=True):
+                out[i] = self._result(batch[i].message, g, version)
+        return [r for r in out if r is not None]
+
+    async def _safe_generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Any]:
+        assert self.engine is not None
+        try:
+            return await self.engine.generate(prompts, sampling)
+        except Exception as exc:
+            log.exception("engine failed on a batch of %d", len(prompts))
+            self.bump("engine_errors")
+            return [exc] * len(prompts)
+
+    def _result(self, req: StepRequest, gen: Generation | Exception, version: int) -> StepResult:
+        common: dict[str, Any] = {
+            "request_id": req.request_id,
+            "episode_id": req.episode_id,
+            "policy_version": version,
+            "replica": self.member,
+        }
+        if isinstance(gen, Exception):
+            return StepResult(**common, finish_reason="error", error=repr(gen)[:500])
+        return StepResult(
+            **common,
+            completion_ids=gen.completion_ids,
+            logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+        )
+
+    async def _reply(self, d: Delivery[StepRequest], result: StepResult) -> None:
+        await self.producer.send(
+            self.topics.results,
+            result,
+            key=result.episode_id,
+            partition=d.message.reply_partition,
+            headers=d.headers,
+        )
+
+    async def drain(self) -> None:
+        if hasattr(self, "steps"):
+            await self.steps.commit()
+        if self.engine is not None:
+            await self.engine.close()

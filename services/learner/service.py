@@ -1,0 +1,233 @@
+"""Learner: GRPO on complete groups, weight publication, and the prompt feeder.
+
+Delivery contract: exactly once by checkpointed offsets. The checkpoint holds the model, the
+optimizer, the version, the step, the consumer offsets below which every episode has been
+trained, the ids of trained groups and the feeder's position, written atomically. A restarted
+learner loads it, seeks its partitions to those offsets and rewinds the model with them, so
+nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
+committed offsets follow the checkpoint (for lag monitoring), never lead it.
+
+Staleness is bounded by the feeder's credit window (SkyRL/AReaL pacing): a new group is
+admitted only while published < (max_staleness + step + 1) * groups_per_step. Samples older
+than ``max_staleness`` versions that still reach the learner are masked and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from services.learner.groups import GroupAssembler
+from services.learner.settings import LearnerSettings
+from services.learner.store import load_checkpoint, save_checkpoint, save_weights
+from services.learner.trainer import Trainer
+from shared.messages import Prompt, Sampling, ScoredTrajectory, WeightVersion
+from shared.service import Service
+from shared.tasks import TASKS
+from shared.transport import TP, Bus, Consumer, Producer
+
+log = logging.getLogger(__name__)
+
+
+def credit(published: int, step: int, max_staleness: int, groups_per_step: int) -> int:
+    """How many more groups the feeder may publish now (never negative)."""
+    return max(0, (max_staleness + step + 1) * groups_per_step - published)
+
+
+class Learner(Service):
+    name = "learner"
+
+    def __init__(self, settings: LearnerSettings, bus: Bus | None = None) -> None:
+        super().__init__(settings, bus)
+        self.cfg = settings
+        if settings.feed and settings.task not in TASKS:
+            raise ValueError(f"unknown task {settings.task!r}; built-in: {sorted(TASKS)}")
+        self.step = 0
+        self.version = 0
+        self.next_index = 0
+        self.offsets: dict[TP, int] = {}
+        self.assembler = GroupAssembler()
+        self._progress = asyncio.Event()
+        self._t0 = time.monotonic()
+        self._episodes_trained = 0
+
+    # -- setup and restore
+
+    async def setup(self) -> None:
+        self.trainer = Trainer(self.cfg)  # on the loop thread: HF loading is not thread-safe
+        self._restore(await asyncio.to_thread(load_checkpoint, self.cfg.checkpoint_dir))
+        self.producer: Producer = await self.bus.producer()
+        self.version = max(self.version, await self._published_version())
+        self.scored: Consumer[ScoredTrajectory] = await self.bus.consumer(
+            [self.topics.scored],
+            ScoredTrajectory,
+            group_id=self.cfg.group,
+            read_committed=True,  # reward publishes in transactions
+            on_assign=self._seek_to_checkpoint,
+        )
+        if self.cfg.feed:
+            self.spawn("feeder", self._feed())
+        log.info("learner at step %d, version %d", self.step, self.version)
+
+    def _restore(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            return
+        self.trainer.restore(state)
+        self.step, self.version = state["step"], state["version"]
+        self.next_index = state["next_index"]
+        self.offsets = {(t, p): off for (t, p), off in state["offsets"]}
+        self.assembler = GroupAssembler(state["trained"])
+        log.info("restored checkpoint: step %d, version %d", self.step, self.version)
+
+    async def _published_version(self) -> int:
+        """Versions only grow: a learner rewound to a checkpoint publishes after the newest
+        version any replica may hold, or replicas would ignore its weights."""
+        weights = await self.bus.consumer(
+            [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
+        )
+        (end,) = (await weights.end_offsets([(self.topics.weights, 0)])).values()
+        newest, seen = 0, 0
+        while seen < end:
+            batch = await weights.poll(0.5)
+            seen = max([seen, *(d.offset + 1 for d in batch)])
+            newest = max([newest, *(d.message.version for d in batch
+                                    if d.message.model == self.cfg.model_name)])
+        await weights.close()
+        return newest
+
+    async def _seek_to_checkpoint(self, assigned: list[TP]) -> None:
+        for tp in assigned:
+            if tp in self.offsets:
+                await self.scored.seek(tp, self.offsets[tp])
+
+    # -- feeder
+
+    async def _feed(self) -> None:
+        task = TASKS[self.cfg.task]
+        total = self.cfg.max_steps * self.cfg.groups_per_step
+        sampling = Sampling(
+            temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens
+        )
+        while not self.stopping and self.next_index < total:
+            room = credit(
+                self.next_index, self.step, self.cfg.max_staleness, self.cfg.groups_per_step
+            )
+            for _ in range(min(room, total - self.next_index)):
+                i = self.next_index
+                spec = task.sample(random.Random(f"{self.cfg.seed}/{i}"))
+                prompt = Prompt(
+                    group_id=f"{self.cfg.run_name}/{i}",
+                    task=task.name,
+                    spec=spec,
+                    group_size=self.cfg.group_size,
+                    sampling=sampling,
+                    min_version=self.version,
+                )
+                await self.producer.send(self.topics.prompts, prompt, key=prompt.group_id)
+                self.next_index += 1
+            self._progress.clear()
+            await self._wait_progress()
+
+    async def _wait_progress(self) -> None:
+        waiter = asyncio.create_task(self._progress.wait())
+        await asyncio.wait({waiter}, timeout=1.0)
+        waiter.cancel()
+
+    # -- training
+
+    async def main(self) -> None:
+        while not self.stopping:
+            for d in await self.scored.poll(0.5):
+                for done in self.assembler.add(d):
+                    self.scored.ack(done)
+                self.count_input()
+            while len(self.assembler.ready) >= self.cfg.groups_per_step and not self.stopping:
+                await self._train_step()
+
+    async def _train_step(self) -> None:
+        groups = self.assembler.take(self.cfg.groups_per_step)
+        t0 = time.perf_counter()
+        stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
+        self.step += 1
+        self.version += 1
+        for g in groups:
+            for d in g.deliveries:
+                self.scored.ack(d)
+        await self._publish_weights()
+        self._episodes_trained += int(stats["episodes"])
+        self._record(stats, time.perf_counter() - t0)
+        if self.step % self.cfg.checkpoint_every == 0 or self.step >= self.cfg.max_steps:
+            await self._checkpoint()
+        self._progress.set()
+        if self.step >= self.cfg.max_steps:
+            self.request_stop(f"reached max_steps={self.cfg.max_steps}")
+
+    async def _publish_weights(self) -> None:
+        folder, digest = await asyncio.to_thread(
+            save_weights,
+            self.trainer.model,
+            self.cfg.weights_dir,
+            self.version,
+            self.cfg.keep_weights,
+        )
+        event = WeightVersion(
+            model=self.cfg.model_name,
+            version=self.version,
+            uri=str(folder.resolve()),
+            checksum=digest,
+            step=self.step,
+        )
+        await self.producer.send(self.topics.weights, event, key=self.cfg.model_name)
+
+    async def _checkpoint(self) -> None:
+        offsets = {**self.offsets, **self.scored.tracker.committable()}
+        state = {
+            **self.trainer.state(),
+            "step": self.step,
+            "version": self.version,
+            "next_index": self.next_index,
+            "offsets": [[list(tp), off] for tp, off in offsets.items()],
+            "trained": self.assembler.trained_ids(),
+        }
+        await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint_dir, state)
+        self.offsets = offsets
+        await self.scored.commit()  # Kafka's offsets follow the checkpoint, never lead it
+        self.bump("checkpoints")
+
+    def _record(self, stats: dict[str, float], seconds: float) -> None:
+        row = {
+            "step": self.step,
+            "version": self.version,
+            "time": round(time.monotonic() - self._t0, 3),
+            "step_seconds": round(seconds, 4),
+            "episodes_trained": self._episodes_trained,
+            "duplicates_dropped": self.assembler.duplicates,
+            **{k: None if math.isnan(v) else v for k, v in stats.items()},
+        }
+        log.info(
+            "step %d v%d reward=%.3f success=%.2f staleness<=%d loss=%.4f",
+            self.step, self.version, stats["reward_mean"], stats["success_rate"],
+            int(stats["staleness_max"]), stats["loss"],
+        )
+        if self.cfg.metrics_file is not None:
+            _append_json(self.cfg.metrics_file, row)
+
+    async def drain(self) -> None:
+        """Checkpoint what was trained since the last checkpoint; untrained work stays."""
+        if hasattr(self, "scored") and self.step and self.step % self.cfg.checkpoint_every:
+            await self._checkpoint()
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "step": self.step, "version": self.version}
+
+
+def _append_json(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")

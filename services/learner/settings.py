@@ -1,0 +1,70 @@
+"""Settings of the learner (env prefix ``RLBUS_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class LearnerSettings(ServiceSettings):
+    """The learner: GRPO on scored trajectories, weight publication and the prompt feeder."""
+
+    model_path: Path | None = None
+    """Folder of the initial policy (a Hugging Face causal LM)."""
+    model_name: str = "policy"
+    """Key of the WeightVersion events this learner publishes."""
+    weights_dir: Path = Path("runs/weights")
+    """Weight store: one safetensors folder per published version."""
+    keep_weights: int = Field(default=3, ge=1)
+    """Published versions kept in the weight store (older ones are deleted)."""
+    checkpoint_dir: Path = Path("runs/checkpoint")
+    """Where the checkpoint (model, optimizer, version, offsets, feeder) is written."""
+    checkpoint_every: int = Field(default=5, ge=1)
+    """Optimizer steps between checkpoints."""
+    metrics_file: Path | None = None
+    """JSON lines, one per optimizer step (what ``rlbus demo`` plots)."""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda:0."""
+    torch_threads: int | None = 1
+    """torch intra-op threads on CPU."""
+    seed: int = 0
+    """Seed of torch and of the feeder's task sampling."""
+    max_steps: int = Field(default=100, ge=1)
+    """Optimizer steps, after which the learner stops."""
+    group_size: int = Field(default=8, ge=2)
+    """Episodes per prompt (GRPO group)."""
+    groups_per_step: int = Field(default=4, ge=1)
+    """Complete groups per optimizer step."""
+    max_staleness: int = Field(default=2, ge=0)
+    """Most versions a sample's oldest token may lag the learner; older samples are dropped.
+    The feeder's credit window keeps it from happening in the first place."""
+    lr: float = Field(default=1e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """Lower clip of the importance ratio: 1 - clip_low."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """Upper clip: 1 + clip_high (clip-higher when above clip_low, DAPO)."""
+    loss_norm: Literal["token", "sequence", "dr_grpo"] = "token"
+    """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant)."""
+    scale_by_std: bool = True
+    """Divide advantages by the group std (False: Dr. GRPO's no-std)."""
+    feed: bool = True
+    """Host the prompt feeder (False when prompts come from ``rlbus feed``)."""
+    task: str = "guess_number"
+    """Built-in task the feeder samples."""
+    run_name: str = "run"
+    """Prefix of group ids; deterministic ids make re-sent prompts recognisable."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature sent with each prompt."""
+    max_new_tokens: int = Field(default=4, ge=1)
+    """Most tokens per completion (per turn)."""
+    group: str = "learner"
+    """Consumer group of the learner."""

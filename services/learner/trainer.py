@@ -1,0 +1,138 @@
+"""One GRPO optimizer step over complete groups (see grpo.py for the loss itself)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.learner.groups import Group
+from services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
+from services.learner.settings import LearnerSettings
+from shared.messages import ScoredTrajectory, Trajectory
+from shared.tasks import TASKS
+
+
+def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
+    """The episode as one sequence: token ids exactly as sampled, which of them the policy
+    sampled, and the engine's logprobs for those (0 elsewhere)."""
+    ids: list[int] = []
+    sampled: list[bool] = []
+    logprobs: list[float] = []
+    for turn in t.turns:
+        ids += turn.input_ids + turn.completion_ids
+        sampled += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
+        logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
+    return ids, sampled, logprobs
+
+
+@dataclass
+class Sample:
+    scored: ScoredTrajectory
+    advantage: float
+    staleness: int
+    used: bool
+
+
+class Trainer:
+    """Holds the policy and its optimizer."""
+
+    def __init__(self, cfg: LearnerSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if cfg.model_path is None:
+            raise ValueError("the learner needs RLBUS_MODEL_PATH (the initial policy folder)")
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path)
+        self.model = model.to(self.device)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+
+    def samples(self, groups: list[Group], version: int) -> list[Sample]:
+        """Advantages per group; stale or invalid episodes are masked (advantage 0)."""
+        out: list[Sample] = []
+        for g in groups:
+            members = g.ordered()
+            stale = [version - m.trajectory.min_version for m in members]
+            usable = [
+                m.valid and bool(m.trajectory.turns) and s <= self.cfg.max_staleness
+                for m, s in zip(members, stale, strict=True)
+            ]
+            adv = group_advantages(
+                torch.tensor([m.reward for m in members]),
+                torch.tensor(usable),
+                scale_by_std=self.cfg.scale_by_std,
+            )
+            out += [
+                Sample(m, float(a), s, u)
+                for m, a, s, u in zip(members, adv.tolist(), stale, usable, strict=True)
+            ]
+        return out
+
+    def step(self, groups: list[Group], version: int) -> dict[str, float]:
+        samples = self.samples(groups, version)
+        used = [s for s in samples if s.used and s.advantage != 0.0]
+        stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        if used:
+            stats = self._optimize(used)
+        return {**stats, **self._describe(samples)}
+
+    def _optimize(self, used: list[Sample]) -> dict[str, float]:
+        seqs = [packed(s.scored.trajectory) for s in used]
+        batch = collate(
+            [s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs], self.pad_id
+        )
+        ids = batch.input_ids.to(self.device)  # (B, T)
+        logprobs = sequence_logprobs(self.model, ids, batch.attention_mask.to(self.device))
+        loss, stats = policy_loss(
+            logprobs,  # (B, T-1)
+            batch.behaviour_logprobs.to(self.device),
+            torch.tensor([s.advantage for s in used], device=self.device),  # (B,)
+            batch.loss_mask.to(self.device),
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            norm=self.cfg.loss_norm,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        return {"loss": float(loss), "grad_norm": float(grad_norm), **stats}
+
+    def _describe(self, samples: list[Sample]) -> dict[str, float]:
+        valid = [s for s in samples if s.used]
+        success = [
+            TASKS[t.task].success(t.spec, [turn.action for turn in t.turns])
+            for t in (s.scored.trajectory for s in valid)
+            if t.task in TASKS
+        ]
+        return {
+            "episodes": len(samples),
+            "masked": len(samples) - len(valid),
+            "reward_mean": _mean([s.scored.reward for s in valid]),
+            "success_rate": _mean([float(x) for x in success]),
+            "staleness_mean": _mean([float(s.staleness) for s in valid]),
+            "staleness_max": float(max((s.staleness for s in valid), default=0)),
+            "turns_mean": _mean([float(len(s.scored.trajectory.turns)) for s in valid]),
+            "tokens": float(sum(s.scored.trajectory.num_tokens for s in samples)),
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan

@@ -1,0 +1,77 @@
+"""Reward: scores each Trajectory and publishes a ScoredTrajectory, exactly once.
+
+Delivery contract: consume-transform-produce in one Kafka transaction per batch. The scored
+trajectories and the consumer offsets of the inputs they came from commit together or not
+at all, so a member killed mid-transaction leaves neither output nor progress behind and
+its successor (same ``transactional_id``, which fences the zombie) redoes the batch.
+Verifiers that raise or time out, failed episodes and unknown tasks produce a masked
+(``valid=False``) sample rather than a zero reward: the learner must not learn from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from services.reward.settings import RewardSettings
+from services.reward.verifiers import resolve
+from shared.messages import ScoredTrajectory, Trajectory
+from shared.service import Service
+from shared.transport import Bus, Consumer, Delivery, Producer
+
+log = logging.getLogger(__name__)
+
+
+class Reward(Service):
+    name = "reward"
+
+    def __init__(self, settings: RewardSettings, bus: Bus | None = None) -> None:
+        super().__init__(settings, bus)
+        self.cfg = settings
+
+    async def setup(self) -> None:
+        txn_id = self.cfg.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
+        self.producer: Producer = await self.bus.producer(transactional_id=txn_id)
+        self.trajectories: Consumer[Trajectory] = await self.bus.consumer(
+            [self.topics.trajectories], Trajectory, group_id=self.cfg.group
+        )
+
+    async def main(self) -> None:
+        while not self.stopping:
+            batch = await self.trajectories.poll(0.5, self.cfg.batch_size)
+            offsets = self.trajectories.tracker.committable()
+            if batch or offsets:  # offsets alone: dead letters to step past
+                await self._publish(batch)
+
+    async def _publish(self, batch: list[Delivery[Trajectory]]) -> None:
+        scored = await asyncio.gather(*(self.score(d.message) for d in batch))
+        for d in batch:
+            self.trajectories.ack(d)
+        offsets = self.trajectories.tracker.committable()
+        async with self.producer.transaction():
+            for s in scored:
+                await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
+            if offsets:
+                await self.producer.send_offsets(offsets, self.cfg.group)
+        self.trajectories.tracker.committed(offsets)
+        self.count_input(len(batch))
+        self.bump("masked", sum(not s.valid for s in scored))
+        self.bump("reward_sum", sum(s.reward for s in scored if s.valid))
+
+    async def score(self, t: Trajectory) -> ScoredTrajectory:
+        if t.status == "failed":
+            return ScoredTrajectory(trajectory=t, reward=0.0, valid=False, error=t.error)
+        try:
+            name, verify = resolve(t.task, t.spec)
+            actions = [turn.action for turn in t.turns]
+            reward = await asyncio.wait_for(
+                asyncio.to_thread(verify, t.spec, actions), self.cfg.verifier_timeout_s
+            )
+            if not math.isfinite(reward):
+                raise ValueError(f"verifier {name} returned {reward}")
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("episode %s masked: %s", t.episode_id, error)
+            return ScoredTrajectory(trajectory=t, reward=0.0, valid=False, error=error)
+        return ScoredTrajectory(trajectory=t, reward=float(reward), verifier=name)

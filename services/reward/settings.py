@@ -1,0 +1,21 @@
+"""Settings of the reward tier (env prefix ``RLBUS_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class RewardSettings(ServiceSettings):
+    """One reward instance: scores trajectories and publishes them exactly once."""
+
+    verifier_timeout_s: float = Field(default=10.0, gt=0)
+    """A verifier still running after this is abandoned and the sample masked."""
+    batch_size: int = Field(default=64, ge=1)
+    """Trajectories scored and published per Kafka transaction."""
+    transactional_id: str | None = None
+    """Stable id for zombie fencing; default ``reward-<instance>``. aiokafka has no KIP-447
+    group-metadata fencing, so a restarted member must reuse its predecessor's id."""
+    group: str = "reward"
+    """Consumer group of the tier."""

@@ -1,0 +1,248 @@
+"""Rollout: turns each Prompt into ``group_size`` multi-turn episodes, one Trajectory each.
+
+Delivery contract: at-least-once. A prompt's offset is committed only after every one of its
+trajectories is acknowledged by the broker; a killed instance's unfinished prompts are rolled
+out again by another member (same deterministic episode ids, so the learner keeps one copy).
+Every model call is a StepRequest answered on this instance's own partition of
+steps.results; an unanswered request is re-sent with the same ``request_id`` and duplicate
+answers are dropped. Token ids pass through unchanged: the context sent to inference is the
+exact concatenation of prompt, completion and observation ids recorded in the trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from typing import Any, Literal
+
+from services.rollout.settings import RolloutSettings
+from shared.codec import encode
+from shared.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
+from shared.service import Service
+from shared.tasks import TASKS, Env, Task
+from shared.transport import Bus, Consumer, Delivery, Producer, RawRecord
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeFailed(RuntimeError):
+    """The episode cannot go on (no answer, engine error, environment error)."""
+
+
+class Tokenizer:
+    """The policy tokenizer, used only to turn environment text into ids and back."""
+
+    def __init__(self, model_path: Any) -> None:
+        from transformers import AutoTokenizer
+
+        if model_path is None:
+            raise ValueError("rollout needs RLBUS_MODEL_PATH (the policy's tokenizer folder)")
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tok.encode(text, add_special_tokens=False)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=True))
+
+
+def default_reply_partition(instance: str, partitions: int) -> int:
+    number = int(instance) if instance.isdigit() else zlib.crc32(instance.encode())
+    return number % partitions
+
+
+class Rollout(Service):
+    name = "rollout"
+
+    def __init__(
+        self, settings: RolloutSettings, bus: Bus | None = None, tokenizer: Any = None
+    ) -> None:
+        super().__init__(settings, bus)
+        self.cfg = settings
+        self.tokenizer = tokenizer
+        self.reply_partition = (
+            settings.reply_partition
+            if settings.reply_partition is not None
+            else default_reply_partition(settings.instance, settings.topics.result_partitions)
+        )
+        self._pending: dict[str, asyncio.Future[StepResult]] = {}
+        self._groups: set[asyncio.Task[None]] = set()
+        self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
+
+    async def setup(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(Tokenizer, self.cfg.model_path)
+        self.producer: Producer = await self.bus.producer()
+        self.replies: Consumer[StepResult] = await self.bus.consumer(
+            [self.topics.results],
+            StepResult,
+            assign=[(self.topics.results, self.reply_partition)],
+            from_end=True,  # answers to an earlier incarnation's requests are of no use
+        )
+        self.prompts: Consumer[Prompt] = await self.bus.consumer(
+            [self.topics.prompts], Prompt, group_id=self.cfg.group
+        )
+        self.spawn("replies", self._read_replies())
+        log.info("%s reads replies on partition %d", self.member, self.reply_partition)
+
+    # -- prompts
+
+    async def main(self) -> None:
+        while not self.stopping:
+            room = self.cfg.max_groups_in_flight - len(self._groups)
+            if room <= 0:
+                await asyncio.wait(self._groups, timeout=1.0, return_when="FIRST_COMPLETED")
+            else:
+                for d in await self.prompts.poll(0.5, room):
+                    self._start_group(d)
+            await self.prompts.commit()
+
+    def _start_group(self, d: Delivery[Prompt]) -> None:
+        task = asyncio.create_task(self._run_group(d), name=f"group:{d.message.group_id}")
+        self._groups.add(task)
+        task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task[None]) -> None:
+        self._groups.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("group task crashed", exc_info=task.exception())
+            self.bump("group_crashes")
+
+    async def _run_group(self, d: Delivery[Prompt]) -> None:
+        prompt = d.message
+        task = TASKS.get(prompt.task)
+        if task is None:
+            await self._dead_letter(d, f"unknown task {prompt.task!r}; known: {sorted(TASKS)}")
+        else:
+            episodes = [self._episode(task, prompt, i) for i in range(prompt.group_size)]
+            trajectories = await asyncio.gather(*episodes)
+            await asyncio.gather(*(self._publish(t) for t in trajectories))
+            self.bump("episodes", len(trajectories))
+            self.bump("failed_episodes", sum(t.status == "failed" for t in trajectories))
+        self.prompts.ack(d)
+        self.count_input()
+
+    async def _publish(self, t: Trajectory) -> None:
+        await self.producer.send(self.topics.trajectories, t, key=t.group_id)
+
+    async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
+        log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
+        self.bump("dead_letters")
+        if self.prompts.dlq is not None:
+            raw = RawRecord(
+                d.topic, d.partition, d.offset, d.key, encode(d.message), d.headers, d.timestamp_ms
+            )
+            await self.prompts.dlq.put(raw, error)
+
+    # -- episodes
+
+    async def _episode(self, task: Task, prompt: Prompt, index: int) -> Trajectory:
+        episode_id = f"{prompt.group_id}/{index}"
+        started = time.time()
+        turns: list[Turn] = []
+        status: Literal["ok", "failed"] = "ok"
+        error: str | None = None
+        async with self._episode_slots:
+            try:
+                await self._play(task, prompt, episode_id, turns)
+            except (EpisodeFailed, TimeoutError, Exception) as exc:  # one bad env ≠ dead service
+                status, error = "failed", f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("episode %s failed: %s", episode_id, error)
+        return Trajectory(
+            episode_id=episode_id,
+            group_id=prompt.group_id,
+            index=index,
+            group_size=prompt.group_size,
+            task=prompt.task,
+            spec=prompt.spec,
+            turns=turns,
+            status=status,
+            error=error,
+            started_at=started,
+        )
+
+    async def _play(self, task: Task, prompt: Prompt, episode_id: str, turns: list[Turn]) -> None:
+        """The agent loop: ask the policy, step the environment, until done."""
+        assert self.tokenizer is not None
+        env: Env = task.make_env()
+        obs = await asyncio.wait_for(env.reset(prompt.spec), self.cfg.env_timeout_s)
+        new_ids = self.tokenizer.encode(obs)
+        context: list[int] = []
+        for turn in range(task.max_turns):
+            context += new_ids
+            if len(context) + prompt.sampling.max_new_tokens > self.cfg.max_context_tokens:
+                return
+            result = await self._ask(episode_id, turn, context, prompt)
+            action = self.tokenizer.decode(result.completion_ids)
+            outcome = await asyncio.wait_for(env.step(action), self.cfg.env_timeout_s)
+            turns.append(
+                Turn(
+                    input_ids=new_ids,
+                    completion_ids=result.completion_ids,
+                    logprobs=result.logprobs,
+                    policy_version=result.policy_version,
+                    finish_reason=result.finish_reason,
+                    action=action,
+                    observation=outcome.observation,
+                    env_reward=outcome.reward,
+                )
+            )
+            context += result.completion_ids
+            if outcome.done:
+                return
+            new_ids = self.tokenizer.encode(outcome.observation)
+
+    async def _ask(self, episode_id: str, turn: int, context: list[int], p: Prompt) -> StepResult:
+        request = StepRequest(
+            request_id=f"{episode_id}/t{turn}",
+            episode_id=episode_id,
+            turn=turn,
+            input_ids=context,
+            sampling=p.sampling,
+            reply_partition=self.reply_partition,
+            min_version=p.min_version,
+        )
+        result = await self._request(request)
+        if result.finish_reason == "error":
+            raise EpisodeFailed(f"inference error on {request.request_id}: {result.error}")
+        return result
+
+    async def _request(self, request: StepRequest) -> StepResult:
+        """Send, and re-send the same request until answered or out of retries."""
+        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = future
+        try:
+            for attempt in range(self.cfg.step_retries + 1):
+                if attempt:
+                    self.bump("resends")
+                await self.producer.send(self.topics.steps, request, key=request.episode_id)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), self.cfg.step_timeout_s)
+                except TimeoutError:
+                    log.info("no answer to %s; re-sending", request.request_id)
+            raise EpisodeFailed(
+                f"no answer to {request.request_id} after {self.cfg.step_retries + 1} sends"
+            )
+        finally:
+            self._pending.pop(request.request_id, None)
+
+    async def _read_replies(self) -> None:
+        while not self.stopping:
+            for d in await self.replies.poll(0.5):
+                future = self._pending.get(d.message.request_id)
+                if future is None or future.done():
+                    self.bump("duplicate_replies")  # a re-send answered twice, or not ours
+                else:
+                    future.set_result(d.message)
+
+    async def drain(self) -> None:
+        """Finish what can finish in time; the rest is redelivered to another member."""
+        if self._groups:
+            await asyncio.wait(self._groups, timeout=self.cfg.drain_timeout_s * 0.8)
+        for task in list(self._groups):
+            task.cancel()
+        if hasattr(self, "prompts"):
+            await self.prompts.commit()

@@ -1,0 +1,35 @@
+"""Settings of the rollout tier (env prefix ``RLBUS_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class RolloutSettings(ServiceSettings):
+    """One rollout instance: runs episodes of the prompts its consumer group hands it."""
+
+    model_path: Path | None = None
+    """Folder with the policy's tokenizer (the same folder inference loads)."""
+    max_concurrent_episodes: int = Field(default=64, ge=1)
+    """Episodes in flight at once in this instance (each holds one pending step request)."""
+    max_groups_in_flight: int = Field(default=16, ge=1)
+    """Prompts taken but not finished; at this bound the instance stops fetching prompts
+    (backpressure: a stalled inference tier leaves work in Kafka, not in memory)."""
+    reply_partition: int | None = None
+    """Partition of steps.results this instance reads its answers from. Default: derived
+    from ``instance`` (its number, else a hash). Two instances sharing one is safe (each
+    drops answers it did not ask for), only wasteful."""
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    """Re-send a step request not answered within this time (same request_id)."""
+    step_retries: int = Field(default=3, ge=0)
+    """Re-sends before the episode is published as failed (and masked by the learner)."""
+    env_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest an environment's reset or step may take before the episode fails."""
+    max_context_tokens: int = Field(default=4096, ge=16)
+    """An episode whose context would exceed this ends (finish_reason length)."""
+    group: str = "rollout"
+    """Consumer group of the tier."""

@@ -1,0 +1,58 @@
+"""Start one service: settings and logging first, heavy imports (torch) only after.
+
+``rlbus --help`` and a settings error answer in well under a second because nothing here
+imports torch; the service module is imported only once the settings are valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared.settings import ServiceSettings
+
+SERVICES: dict[str, tuple[str, str]] = {
+    "rollout": ("services.rollout.settings:RolloutSettings", "services.rollout.service:Rollout"),
+    "inference": (
+        "services.inference.settings:InferenceSettings",
+        "services.inference.service:Inference",
+    ),
+    "reward": ("services.reward.settings:RewardSettings", "services.reward.service:Reward"),
+    "learner": ("services.learner.settings:LearnerSettings", "services.learner.service:Learner"),
+}
+
+
+def load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def settings_class(name: str) -> type[ServiceSettings]:
+    cls: type[ServiceSettings] = load(SERVICES[name][0])
+    return cls
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def run_service(name: str, **overrides: Any) -> dict[str, Any]:
+    """Parse settings (env + overrides), then import and serve the service until it stops."""
+    try:
+        settings = settings_class(name)(**overrides)
+    except ValidationError as exc:
+        raise SystemExit(f"rlbus {name}: invalid settings:\n{exc}") from None
+    configure_logging(settings.log_level)
+    service = load(SERVICES[name][1])(settings)
+    summary: dict[str, Any] = asyncio.run(service.serve())
+    return summary

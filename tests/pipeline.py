@@ -1,0 +1,59 @@
+"""Run the four services together on one bus (in memory or Kafka) for a few steps."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from services.inference.service import Inference
+from services.inference.settings import InferenceSettings
+from services.learner.service import Learner
+from services.learner.settings import LearnerSettings
+from services.reward.service import Reward
+from services.reward.settings import RewardSettings
+from services.rollout.service import Rollout
+from services.rollout.settings import RolloutSettings
+from shared.transport import Bus
+
+
+def settings(model: Path, run: Path, common: dict[str, Any], **learner: Any) -> dict[str, Any]:
+    return {
+        "inference": InferenceSettings(**common, model_path=model, batch_wait_ms=1),
+        "rollout": RolloutSettings(**common, model_path=model, step_timeout_s=10),
+        "reward": RewardSettings(**common),
+        "learner": LearnerSettings(
+            **common,
+            model_path=model,
+            weights_dir=run / "weights",
+            checkpoint_dir=run / "checkpoint",
+            metrics_file=run / "metrics.jsonl",
+            checkpoint_every=1,
+            **{"max_steps": 2, "groups_per_step": 2, "group_size": 4, **learner},
+        ),
+    }
+
+
+async def run_pipeline(s: dict[str, Any], make_bus: Any) -> dict[str, Any]:
+    """Start inference, reward and rollout; run the learner to max_steps; stop the rest."""
+    others = [
+        Inference(s["inference"], make_bus("inference")),
+        Reward(s["reward"], make_bus("reward")),
+        Rollout(s["rollout"], make_bus("rollout")),
+    ]
+    tasks = [asyncio.create_task(o.run()) for o in others]
+    learner = Learner(s["learner"], make_bus("learner"))
+    try:
+        summary = await asyncio.wait_for(learner.run(), 240)
+    finally:
+        for o in others:
+            o.request_stop("test over")
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return {"learner": learner, "others": others, "summary": summary}
+
+
+def bus_factory(bus_cls: type[Bus], **kwargs: Any) -> Any:
+    return lambda service: bus_cls(service=service, **kwargs)

@@ -1,0 +1,41 @@
+"""The four services learn together on the in-memory bus (fast; the Kafka twin is in
+tests/integration/test_pipeline_kafka.py)."""
+
+import json
+
+import pytest
+
+from services.learner.tiny_model import build_tiny_model
+from shared.settings import TopicSettings
+from shared.topics import memory_broker
+from shared.transport import MemoryBus
+from tests.pipeline import bus_factory, run_pipeline, settings
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.mark.slow
+async def test_every_group_trained_exactly_once_and_weights_reach_inference(tiny_model, tmp_path):
+    topics = TopicSettings(prefix="mem", partitions=2, result_partitions=2)
+    broker = memory_broker(topics)
+    # max_staleness 0: the second step's groups must be sampled by the first step's weights
+    s = settings(tiny_model, tmp_path, {"topics": topics}, max_staleness=0)
+    out = await run_pipeline(s, bus_factory(MemoryBus, broker=broker, dlq_topic="mem.dlq"))
+    learner, (inference, reward, rollout) = out["learner"], out["others"]
+
+    assert learner.step == 2
+    assert sorted(learner.assembler.trained_ids()) == ["run/0", "run/1", "run/2", "run/3"]
+    assert learner.assembler.duplicates == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episodes"] for r in rows] == [8, 8]
+    assert [r["staleness_max"] for r in rows] == [0, 0]
+    assert [r["masked"] for r in rows] == [0, 0]
+    # the first weights were published and loaded before the run ended
+    assert inference.engine.version >= 1
+    assert (tmp_path / "weights" / "v000002" / "model.safetensors").exists()
+    assert rollout.counters["episodes"] >= 16
+    assert reward.handled == 16  # no duplicate trajectories in a fault-free run
+    assert not broker.logs.get("mem.dlq", [[]])[0]  # nothing dead-lettered
