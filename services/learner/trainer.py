@@ -106,7 +106,7 @@ class Trainer:
         loss.backward()  # type: ignore[no-untyped-call]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
-        return {"loss": float(loss), "grad_norm": float(grad_norm), **stats}
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats}
 
     def _describe(self, samples: list[Sample]) -> dict[str, float]:
         valid = [s for s in samples if s.used]

@@ -1,0 +1,56 @@
+# rlbus: the two commands a new user needs are `make demo` and `make test`.
+# Both install what they need: a virtualenv (.venv, reused), the package with its dev extras
+# (pip's cache is reused, so torch downloads once), Java + Maven if missing (apt), and the
+# Kafka jars (resolved by Maven into ~/.cache/rlbus, reused).
+
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test unit integration lint loadtest up down install jars java clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+java:
+	@command -v java >/dev/null && command -v mvn >/dev/null || { \
+	  echo "installing Java 17 and Maven (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null; }
+
+jars: install java
+	$(BIN)/python -c "from shared.broker import resolve_jars; print('kafka jars:', resolve_jars())"
+
+lint: install
+	$(BIN)/ruff check shared services tests loadtest
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+integration: jars
+	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
+
+test: lint jars
+	$(BIN)/pytest tests $(PYTEST_ARGS)
+
+demo: jars
+	$(BIN)/rlbus demo
+
+loadtest: jars
+	$(BIN)/python -m loadtest
+
+up:
+	docker compose up --build
+
+down:
+	docker compose down -v
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs

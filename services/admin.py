@@ -1,0 +1,77 @@
+"""Operator commands that talk to Kafka directly: topics and feeding prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared.messages import Prompt, Sampling
+from shared.settings import ServiceSettings
+from shared.topics import Topics, ensure_topics
+from shared.transport import KafkaBus, admin_client
+
+log = logging.getLogger(__name__)
+
+
+class AdminSettings(ServiceSettings):
+    """Connection and topic settings of operator commands (same RLBUS_* variables)."""
+
+
+async def topics_command(action: str) -> int:
+    s = AdminSettings()
+    if action == "create":
+        created = await ensure_topics(s.kafka, s.topics)
+        print(f"created {len(created)} topic(s): {', '.join(created) or '(all existed)'}")
+        return 0
+    async with admin_client(s.kafka) as admin:
+        existing = set(await admin.list_topics())
+    for spec in Topics(s.topics).catalogue():
+        mark = "ok" if spec.name in existing else "missing"
+        print(f"{spec.name:<40} {spec.partitions:>3} partitions  {mark}")
+    return 0
+
+
+def read_prompts(path: Path, args: argparse.Namespace) -> list[Prompt]:
+    """Validate the whole file before publishing anything: a bad line N fails with N."""
+    if not path.is_file():
+        raise SystemExit(f"no such file: {path}")
+    sampling = Sampling(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row: dict[str, Any] = json.loads(line)
+            prompts.append(
+                Prompt(
+                    group_id=row.get("group_id", f"{args.run_name}/{n}"),
+                    task=row["task"],
+                    spec=row.get("spec", {}),
+                    group_size=row.get("group_size", args.group_size),
+                    sampling=sampling,
+                )
+            )
+        except (json.JSONDecodeError, KeyError, ValidationError, TypeError) as exc:
+            raise SystemExit(f"{path}:{n}: not a prompt ({type(exc).__name__}: {exc})") from None
+    return prompts
+
+
+async def feed_command(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    prompts = read_prompts(path, args)  # before connecting: a bad file costs no broker call
+    s = AdminSettings()
+    topics = Topics(s.topics)
+    bus = KafkaBus(s.kafka, dlq_topic=topics.dlq, service="feed")
+    try:
+        producer = await bus.producer()
+        for p in prompts:
+            await producer.send(topics.prompts, p, key=p.group_id)
+    finally:
+        await bus.close()
+    print(f"published {len(prompts)} prompt(s) to {topics.prompts}")
+    return 0

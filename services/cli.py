@@ -1,0 +1,82 @@
+"""The ``rlbus`` command. Imports nothing heavy until a subcommand needs it.
+
+    rlbus demo                      train on the built-in multi-turn task, end to end
+    rlbus run SERVICE               run one service (rollout, inference, reward, learner)
+    rlbus topics create             create the topic catalogue (idempotent)
+    rlbus feed FILE.jsonl           publish prompts from a dataset file
+    rlbus broker start|stop|status  a local Kafka broker (no Docker needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+SERVICE_NAMES = ("rollout", "inference", "reward", "learner")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlbus",
+        description="Rollout-as-a-service for RL of multi-turn LLM agents, over Kafka.",
+        epilog="Settings come from RLBUS_* environment variables (nested with __), "
+        "e.g. RLBUS_KAFKA__BOOTSTRAP=127.0.0.1:9092.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="train a tiny model on guess-the-number, end to end")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 60)")
+    demo.add_argument("--minutes", type=float, default=10.0, help="wall-time budget")
+    demo.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
+    demo.add_argument("--rollouts", type=int, default=1, help="rollout processes")
+    demo.add_argument("--inference", type=int, default=1, help="inference processes")
+    demo.add_argument("--no-progress", action="store_true", help="plain log lines, no live table")
+
+    run = sub.add_parser("run", help="run one service until SIGTERM")
+    run.add_argument("service", choices=SERVICE_NAMES)
+
+    topics = sub.add_parser("topics", help="the topic catalogue")
+    topics.add_argument("action", choices=("create", "list"))
+
+    feed = sub.add_parser("feed", help="publish prompts from a JSON-lines file")
+    feed.add_argument("file", help='one JSON object per line: {"task": ..., "spec": {...}}')
+    feed.add_argument("--group-size", type=int, default=8)
+    feed.add_argument("--run-name", default="feed")
+    feed.add_argument("--max-new-tokens", type=int, default=16)
+    feed.add_argument("--temperature", type=float, default=1.0)
+
+    broker = sub.add_parser("broker", help="local Kafka broker: start|stop|status")
+    broker.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        from shared.runner import run_service
+
+        run_service(args.service)
+        return 0
+    if args.command == "broker":
+        from shared.broker import main as broker_main
+
+        return broker_main(args.args)
+    if args.command == "topics":
+        from services.admin import topics_command
+
+        return asyncio.run(topics_command(args.action))
+    if args.command == "feed":
+        from services.admin import feed_command
+
+        return asyncio.run(feed_command(args))
+    if args.command == "demo":
+        from services.demo import demo_command
+
+        return demo_command(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``rlbus demo``: the four services as separate processes, learning guess-the-number.
+
+Starts a local broker (or uses ``RLBUS_KAFKA_BOOTSTRAP``), builds a tiny random-init model,
+creates a fresh set of topics, launches inference, reward, rollout and learner as
+``python -m services.<name>`` processes, shows live progress, and on finish (or Ctrl-C)
+stops them all and writes ``reward_curve.png`` and ``summary.json`` into the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The demo's training recipe (measured in-process first; see docs/architecture.md).
+RECIPE: dict[str, Any] = {
+    "RLBUS_TASK": "guess_number",
+    "RLBUS_GROUP_SIZE": "8",
+    "RLBUS_GROUPS_PER_STEP": "4",
+    "RLBUS_MAX_STALENESS": "2",
+    "RLBUS_LR": "0.003",
+    "RLBUS_MAX_NEW_TOKENS": "2",
+    "RLBUS_TEMPERATURE": "1.0",
+    "RLBUS_CHECKPOINT_EVERY": "10",
+}
+DEFAULT_STEPS = 60
+SERVICES = ("inference", "reward", "rollout", "learner")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Demo:
+    run_dir: Path
+    steps: int
+    minutes: float
+    rollouts: int
+    inference: int
+    live: bool
+    procs: list[Proc] = field(default_factory=list)
+    cluster: Any = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    # -- setup
+
+    def prepare(self) -> dict[str, str]:
+        from shared.broker import bootstrap_or_start
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        say(f"run folder: {self.run_dir}")
+        say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP) …")
+        bootstrap, self.cluster = bootstrap_or_start()
+        say(f"broker at {bootstrap}")
+        model = self.run_dir / "model"
+        if not (model / "config.json").exists():
+            from services.learner.tiny_model import build_tiny_model
+
+            build_tiny_model(model)
+        prefix = f"demo-{self.run_dir.name}"
+        env = {
+            **os.environ,
+            **RECIPE,
+            "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
+            "RLBUS_TOPICS__PREFIX": prefix,
+            "RLBUS_TOPICS__PARTITIONS": "4",
+            "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
+            "RLBUS_MODEL_PATH": str(model),
+            "PYTHONUNBUFFERED": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "HF_HUB_OFFLINE": "1",
+        }
+        env.pop("RLBUS_KAFKA_BOOTSTRAP", None)  # the broker launcher's variable, not a setting
+        self._create_topics(env)
+        return env
+
+    def _create_topics(self, env: dict[str, str]) -> None:
+        from shared.settings import KafkaSettings, TopicSettings
+        from shared.topics import ensure_topics
+
+        kafka = KafkaSettings(bootstrap=env["RLBUS_KAFKA__BOOTSTRAP"])
+        topics = TopicSettings(prefix=env["RLBUS_TOPICS__PREFIX"], partitions=4,
+                               result_partitions=4)
+        asyncio.run(ensure_topics(kafka, topics))
+
+    def launch(self, env: dict[str, str]) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        learner_env = {
+            "RLBUS_MAX_STEPS": str(self.steps),
+            "RLBUS_WEIGHTS_DIR": str(self.run_dir / "weights"),
+            "RLBUS_CHECKPOINT_DIR": str(self.run_dir / "checkpoint"),
+            "RLBUS_METRICS_FILE": str(self.metrics),
+            "RLBUS_RUN_NAME": self.run_dir.name,
+        }
+        for name, count in (("inference", self.inference), ("reward", 1),
+                            ("rollout", self.rollouts), ("learner", 1)):
+            for i in range(count):
+                extra = learner_env if name == "learner" else {}
+                self._spawn(name, i, {**env, **extra, "RLBUS_INSTANCE": str(i)}, logs)
+
+    def _spawn(self, name: str, i: int, env: dict[str, str], logs: Path) -> None:
+        log = logs / f"{name}-{i}.log"
+        popen = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"],
+            env=env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
+        )
+        self.procs.append(Proc(f"{name}-{i}", popen, log))
+
+    # -- running
+
+    def learner(self) -> Proc:
+        return next(p for p in self.procs if p.name.startswith("learner"))
+
+    def watch(self) -> str:
+        """Until the learner exits, a service dies or time runs out; returns why it ended."""
+        from services.progress import Progress
+
+        deadline = self.started + self.minutes * 60
+        with Progress(self.steps, self.live) as progress:
+            while True:
+                progress.update(read_metrics(self.metrics))
+                if self.learner().popen.poll() is not None:
+                    return "finished" if self.learner().popen.returncode == 0 else "learner failed"
+                dead = [p for p in self.procs if p.popen.poll() is not None]
+                if dead:
+                    return f"{dead[0].name} exited with {dead[0].popen.returncode}"
+                if time.monotonic() > deadline:
+                    return f"time budget of {self.minutes:g} min reached"
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        """SIGTERM the learner first (it checkpoints), then the rest; SIGKILL stragglers."""
+        order = sorted(self.procs, key=lambda p: not p.name.startswith("learner"))
+        for p in order:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 40
+        for p in order:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
+            rows.append(json.loads(line))
+    return rows
+
+
+def say(text: str) -> None:
+    print(f"[rlbus demo] {text}", flush=True)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    demo = Demo(run_dir, args.steps or DEFAULT_STEPS, args.minutes, args.rollouts,
+                args.inference, live=not args.no_progress and sys.stdout.isatty())
+    reason = "interrupted (Ctrl-C)"
+    try:
+        env = demo.prepare()
+        demo.launch(env)
+        say(f"launched {', '.join(p.name for p in demo.procs)}; logs in {run_dir / 'logs'}")
+        reason = demo.watch()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        say(f"stopping: {reason}")
+        demo.stop()
+    return report(demo, reason)
+
+
+def report(demo: Demo, reason: str) -> int:
+    from services.progress import summarize, write_plot
+
+    rows = read_metrics(demo.metrics)
+    summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)
+    (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if rows:
+        write_plot(rows, demo.run_dir / "reward_curve.png")
+    for key in ("steps", "wall_seconds", "success_start", "success_end", "reward_start",
+                "reward_end", "staleness_max"):
+        say(f"{key:>14}: {summary.get(key)}")
+    say(f"wrote {demo.run_dir / 'summary.json'} and reward_curve.png")
+    if reason != "finished":
+        for p in demo.procs:
+            if p.popen.returncode not in (0, None, -signal.SIGTERM):
+                say(f"{p.name} exited with {p.popen.returncode}; last lines of {p.log}:")
+                print(tail(p.log))
+    return 0 if reason in ("finished", "interrupted (Ctrl-C)") or reason.startswith("time") else 1

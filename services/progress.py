@@ -1,0 +1,136 @@
+"""Live progress, summary and reward-curve plot of a training run (from metrics.jsonl)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def _window(rows: list[dict[str, Any]], key: str, n: int = 5, last: bool = True) -> float | None:
+    """Mean of ``key`` over the first or last ``n`` steps that have it."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    part = values[-n:] if last else values[:n]
+    return round(sum(part) / len(part), 4) if part else None
+
+
+def _rate(rows: list[dict[str, Any]]) -> float:
+    if len(rows) < 2 or rows[-1]["time"] <= rows[0]["time"]:
+        return 0.0
+    episodes = rows[-1]["episodes_trained"] - rows[0]["episodes_trained"]
+    return float(episodes / (rows[-1]["time"] - rows[0]["time"]))
+
+
+class Progress:
+    """A rich live table on a terminal; a plain line per step otherwise (CI logs)."""
+
+    def __init__(self, total_steps: int, live: bool) -> None:
+        self.total = total_steps
+        self.live_enabled = live
+        self._live: Any = None
+        self._printed = 0
+
+    def __enter__(self) -> Progress:
+        if self.live_enabled:
+            from rich.live import Live
+
+            self._live = Live(self._table([]), refresh_per_second=2)
+            self._live.__enter__()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._live is not None:
+            self._live.__exit__(et, e, tb)
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        if self._live is not None:
+            self._live.update(self._table(rows))
+            return
+        for r in rows[self._printed :]:
+            print(self._line(r), flush=True)
+        self._printed = len(rows)
+
+    def _line(self, r: dict[str, Any]) -> str:
+        return (
+            f"step {r['step']:>4}/{self.total}  reward {_fmt(r.get('reward_mean'))}  "
+            f"success {_fmt(r.get('success_rate'))}  staleness<={r.get('staleness_max')}  "
+            f"loss {_fmt(r.get('loss'))}  t={r['time']:.0f}s"
+        )
+
+    def _table(self, rows: list[dict[str, Any]]) -> Any:
+        from rich.table import Table
+
+        t = Table(title="rlbus demo: guess-the-number (0..15, 5 guesses)")
+        for col in ("step", "reward (last 5)", "success (last 5)", "staleness max",
+                    "episodes/s", "elapsed"):
+            t.add_column(col, justify="right")
+        if rows:
+            r = rows[-1]
+            t.add_row(
+                f"{r['step']}/{self.total}",
+                _fmt(_window(rows, "reward_mean")),
+                _fmt(_window(rows, "success_rate")),
+                str(max(int(x.get("staleness_max") or 0) for x in rows)),
+                f"{_rate(rows):.1f}",
+                f"{r['time']:.0f}s",
+            )
+        else:
+            t.add_row(f"0/{self.total}", "-", "-", "-", "-", "waiting for the first step")
+        return t
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def summarize(
+    rows: list[dict[str, Any]], reason: str, wall: float, recipe: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "ended": reason,
+        "steps": rows[-1]["step"] if rows else 0,
+        "wall_seconds": round(wall, 1),
+        "training_seconds": rows[-1]["time"] if rows else 0,
+        "episodes_trained": rows[-1]["episodes_trained"] if rows else 0,
+        "episodes_per_second": round(_rate(rows), 2),
+        "success_start": _window(rows, "success_rate", last=False),
+        "success_end": _window(rows, "success_rate"),
+        "reward_start": _window(rows, "reward_mean", last=False),
+        "reward_end": _window(rows, "reward_mean"),
+        "staleness_max": max((int(r.get("staleness_max") or 0) for r in rows), default=0),
+        "masked_total": sum(int(r.get("masked") or 0) for r in rows),
+        "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
+        "recipe": recipe,
+    }
+
+
+def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("success_rate", "success rate"), ("reward_mean", "mean reward")):
+        ax1.plot(steps, [_nan(r.get(key)) for r in rows], label=label)
+    ax1.axhline(0.8, color="grey", linestyle=":", label="target 0.8")
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylim(-0.05, 1.05)
+    ax1.legend()
+    ax1.set_title("reward by step")
+    ax2.plot([r["time"] for r in rows], [_nan(r.get("success_rate")) for r in rows])
+    ax2.set_xlabel("seconds since the learner started")
+    ax2.set_ylabel("success rate")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_title("success by wall time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _nan(x: Any) -> float:
+    return math.nan if x is None else float(x)
