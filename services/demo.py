@@ -53,6 +53,7 @@ class Demo:
     live: bool
     procs: list[Proc] = field(default_factory=list)
     cluster: Any = None
+    model: Path = Path()
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -74,20 +75,19 @@ class Demo:
             from services.learner.tiny_model import build_tiny_model
 
             build_tiny_model(model)
+        self.model = model
         prefix = f"demo-{self.run_dir.name}"
-        env = {
-            **os.environ,
-            **RECIPE,
+        # Only the variables every service accepts: settings reject unknown RLBUS_* keys.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+        env.update({
             "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
             "RLBUS_TOPICS__PREFIX": prefix,
             "RLBUS_TOPICS__PARTITIONS": "4",
             "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
-            "RLBUS_MODEL_PATH": str(model),
             "PYTHONUNBUFFERED": "1",
             "TRANSFORMERS_VERBOSITY": "error",
             "HF_HUB_OFFLINE": "1",
-        }
-        env.pop("RLBUS_KAFKA_BOOTSTRAP", None)  # the broker launcher's variable, not a setting
+        })
         self._create_topics(env)
         return env
 
@@ -103,18 +103,26 @@ class Demo:
     def launch(self, env: dict[str, str]) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        learner_env = {
-            "RLBUS_MAX_STEPS": str(self.steps),
-            "RLBUS_WEIGHTS_DIR": str(self.run_dir / "weights"),
-            "RLBUS_CHECKPOINT_DIR": str(self.run_dir / "checkpoint"),
-            "RLBUS_METRICS_FILE": str(self.metrics),
-            "RLBUS_RUN_NAME": self.run_dir.name,
+        model = {"RLBUS_MODEL_PATH": str(self.model)}
+        extra: dict[str, dict[str, str]] = {
+            "inference": model,
+            "reward": {},
+            "rollout": model,
+            "learner": {
+                **model,
+                **RECIPE,
+                "RLBUS_MAX_STEPS": str(self.steps),
+                "RLBUS_WEIGHTS_DIR": str(self.run_dir / "weights"),
+                "RLBUS_CHECKPOINT_DIR": str(self.run_dir / "checkpoint"),
+                "RLBUS_METRICS_FILE": str(self.metrics),
+                "RLBUS_RUN_NAME": self.run_dir.name,
+            },
         }
-        for name, count in (("inference", self.inference), ("reward", 1),
-                            ("rollout", self.rollouts), ("learner", 1)):
+        counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts,
+                  "learner": 1}
+        for name, count in counts.items():
             for i in range(count):
-                extra = learner_env if name == "learner" else {}
-                self._spawn(name, i, {**env, **extra, "RLBUS_INSTANCE": str(i)}, logs)
+                self._spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)}, logs)
 
     def _spawn(self, name: str, i: int, env: dict[str, str], logs: Path) -> None:
         log = logs / f"{name}-{i}.log"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, UnknownSettingError
 
 SERVICES: dict[str, tuple[str, str]] = {
     "rollout": ("services.rollout.settings:RolloutSettings", "services.rollout.service:Rollout"),
@@ -50,7 +50,7 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     """Parse settings (env + overrides), then import and serve the service until it stops."""
     try:
         settings = settings_class(name)(**overrides)
-    except ValidationError as exc:
+    except (ValidationError, UnknownSettingError) as exc:
         raise SystemExit(f"rlbus {name}: invalid settings:\n{exc}") from None
     configure_logging(settings.log_level)
     service = load(SERVICES[name][1])(settings)

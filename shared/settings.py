@@ -8,8 +8,9 @@ Unknown keys are an error, so a typo in an environment block fails loudly at sta
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -74,6 +75,37 @@ class TopicSettings(_Section):
     """Largest message a topic accepts; trajectories of long episodes are large."""
 
 
+LAUNCHER_VARIABLES = frozenset({"RLBUS_KAFKA_BOOTSTRAP", "RLBUS_KAFKA_CACHE", "RLBUS_HOME"})
+"""RLBUS_* variables read by the broker launcher and tests, not by any settings class."""
+
+
+class UnknownSettingError(ValueError):
+    """An RLBUS_* environment variable names no setting of this service."""
+
+
+def unknown_env_keys(cls: type[BaseModel], environ: dict[str, str] | None = None) -> list[str]:
+    """RLBUS_* variables that ``cls`` would silently ignore (pydantic-settings drops them)."""
+    env = os.environ if environ is None else environ
+    return sorted(
+        key
+        for key in env
+        if key.upper().startswith("RLBUS_")
+        and key.upper() not in LAUNCHER_VARIABLES
+        and not _names_field(cls, key.upper().removeprefix("RLBUS_").split("__"))
+    )
+
+
+def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
+    fields = {name.upper(): f for name, f in cls.model_fields.items()}
+    field = fields.get(path[0])
+    if field is None:
+        return False
+    if len(path) == 1:
+        return True
+    sub = field.annotation
+    return isinstance(sub, type) and issubclass(sub, BaseModel) and _names_field(sub, path[1:])
+
+
 class ServiceSettings(BaseSettings):
     """The part of every service's settings that is the same everywhere."""
 
@@ -98,3 +130,12 @@ class ServiceSettings(BaseSettings):
     """Stop after this many seconds without input (bounded runs for tests)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long to finish in-flight work before giving it back."""
+
+    def __init__(self, **values: Any) -> None:
+        unknown = unknown_env_keys(type(self))
+        if unknown:
+            raise UnknownSettingError(
+                f"{type(self).__name__} has no setting for {', '.join(unknown)}; "
+                "check the spelling (nested keys use __, e.g. RLBUS_KAFKA__BOOTSTRAP)"
+            )
+        super().__init__(**values)
