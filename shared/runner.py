@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shared import telemetry
 from shared.settings import ServiceSettings, UnknownSettingError
 
 SERVICES: dict[str, tuple[str, str]] = {
@@ -53,6 +54,10 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     except (ValidationError, UnknownSettingError) as exc:
         raise SystemExit(f"rlbus {name}: invalid settings:\n{exc}") from None
     configure_logging(settings.log_level)
+    telemetry.setup(f"rlbus-{name}")
     service = load(SERVICES[name][1])(settings)
-    summary: dict[str, Any] = asyncio.run(service.serve())
+    try:
+        summary: dict[str, Any] = asyncio.run(service.serve())
+    finally:
+        telemetry.shutdown()
     return summary

@@ -34,6 +34,7 @@ class Service(ABC):
         self.topics = Topics(settings.topics)
         self.member = f"{self.name}-{settings.instance}"
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
+        self.bus.service = self.member  # names this member in dead letters and spans
         self.handled = 0
         self.counters: dict[str, float] = {}
         self._stop = asyncio.Event()

@@ -26,7 +26,7 @@ import time
 import zlib
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -35,8 +35,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
+from opentelemetry.trace import Span
 from pydantic import BaseModel
 
+from shared import telemetry
 from shared.codec import DecodeError, decode, encode
 from shared.messages import DeadLetter
 from shared.settings import KafkaSettings
@@ -64,10 +66,25 @@ class Delivery(Generic[M]):
     message: M
     headers: Headers
     timestamp_ms: int
+    service: str = ""
+    group: str | None = None
 
     @property
     def tp(self) -> TP:
         return (self.topic, self.partition)
+
+    def start_span(self) -> Span:
+        """A ``process <topic>`` span, child of the sender's span (not made current)."""
+        return telemetry.start_consumer_span(
+            self.service, self.topic, self.partition, self.offset, self.key, self.headers,
+            self.group,
+        )
+
+    @contextlib.contextmanager
+    def processing(self) -> Iterator[Span]:
+        """The ``process <topic>`` span around a handler; sends inside it join its trace."""
+        with telemetry.use(self.start_span()) as span:
+            yield span
 
 
 @dataclass(frozen=True)
@@ -98,7 +115,12 @@ async def with_timeout(aw: Awaitable[Any], seconds: float, what: str) -> Any:
 
 
 class Producer(ABC):
-    """Publishes typed messages; ``send`` returns once the broker has the record."""
+    """Publishes typed messages; ``send`` returns once the broker has the record.
+
+    ``send`` opens a ``send <topic>`` span and injects its trace context into the headers.
+    """
+
+    service: str = ""
 
     @abstractmethod
     async def send_raw(
@@ -121,9 +143,14 @@ class Producer(ABC):
         partition: int | None = None,
         headers: Headers | None = None,
     ) -> tuple[int, int]:
-        return await self.send_raw(
-            topic, encode(message), key=_key_bytes(key), partition=partition, headers=headers
-        )
+        key_b = _key_bytes(key)
+        hdrs = dict(headers or {})
+        with telemetry.producer_span(self.service, topic, key_b, partition, hdrs) as span:
+            placed = await self.send_raw(
+                topic, encode(message), key=key_b, partition=partition, headers=hdrs
+            )
+            span.set_attribute("messaging.destination.partition.id", str(placed[0]))
+            return placed
 
     @abstractmethod
     def transaction(self) -> contextlib.AbstractAsyncContextManager[None]:
@@ -143,6 +170,8 @@ class Consumer(ABC, Generic[M]):
     def __init__(self, message_type: type[M], dlq: DeadLetterSink | None) -> None:
         self.message_type = message_type
         self.dlq = dlq
+        self.group: str | None = None
+        self.service = ""
         self.tracker = OffsetTracker()
 
     @abstractmethod
@@ -185,7 +214,8 @@ class Consumer(ABC, Generic[M]):
             self.tracker.ack(raw.topic, raw.partition, raw.offset)
             return None
         return Delivery(
-            raw.topic, raw.partition, raw.offset, raw.key, message, raw.headers, raw.timestamp_ms
+            raw.topic, raw.partition, raw.offset, raw.key, message, raw.headers, raw.timestamp_ms,
+            self.service, self.group,
         )
 
     def ack(self, delivery: Delivery[Any]) -> None:
@@ -488,6 +518,7 @@ class KafkaBus(Bus):
         )
         await with_timeout(p.start(), self.kafka.request_timeout_s, "producer connect")
         prod = KafkaProducer(p, self.kafka.request_timeout_s)
+        prod.service = self.service
         self._clients.append(prod)
         return prod
 
@@ -520,6 +551,7 @@ class KafkaBus(Bus):
             c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
         )
         listener.consumer = consumer
+        consumer.service, consumer.group = self.service, group_id
         self._clients.append(consumer)
         if assign is not None and on_assign is not None:
             await on_assign(sorted(assign))
@@ -734,7 +766,9 @@ class MemoryBus(Bus):
         self._consumers: list[MemoryConsumer[Any]] = []
 
     async def producer(self, *, transactional_id: str | None = None) -> Producer:
-        return MemoryProducer(self.broker)
+        prod = MemoryProducer(self.broker)
+        prod.service = self.service
+        return prod
 
     async def consumer(
         self,
@@ -751,6 +785,7 @@ class MemoryBus(Bus):
             self.broker, topics, message_type, await self.dead_letter_sink(), group_id, from_end,
             on_assign,
         )
+        c.service, c.group = self.service, group_id
         if assign is not None:
             c.reassign(assign)
         elif group_id is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from services.inference.engines import Engine, Generation, make_engine
 from services.inference.settings import InferenceSettings
+from shared import telemetry
 from shared.messages import Sampling, StepRequest, StepResult, WeightVersion
 from shared.service import Service
 from shared.transport import Bus, Consumer, Delivery, Producer
@@ -117,8 +118,14 @@ class Inference(Service):
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
         await self._await_version(max(d.message.min_version for d in batch))
         valid = [d for d in batch if self._routable(d)]
-        results = await self._generate(valid)
-        await asyncio.gather(*(self._reply(d, r) for d, r in zip(valid, results, strict=True)))
+        spans = [d.start_span() for d in valid]  # one per request, each in its own trace
+        with telemetry.span(
+            "generate", self.member, links=spans, attributes={"rlbus.batch": len(valid)}
+        ):
+            results = await self._generate(valid)
+        await asyncio.gather(
+            *(self._reply(d, r, s) for d, r, s in zip(valid, results, spans, strict=True))
+        )
         for d in batch:
             self.steps.ack(d)
         await self.steps.commit()
@@ -130,7 +137,8 @@ class Inference(Service):
             return True
         log.warning(
             "request %s asks for reply partition %d of %d; dropped",
-            d.message.request_id, d.message.reply_partition,
+            d.message.request_id,
+            d.message.reply_partition,
             self.settings.topics.result_partitions,
         )
         self.bump("unroutable")
@@ -175,14 +183,14 @@ class Inference(Service):
             finish_reason=gen.finish_reason,
         )
 
-    async def _reply(self, d: Delivery[StepRequest], result: StepResult) -> None:
-        await self.producer.send(
-            self.topics.results,
-            result,
-            key=result.episode_id,
-            partition=d.message.reply_partition,
-            headers=d.headers,
-        )
+    async def _reply(self, d: Delivery[StepRequest], result: StepResult, span: Any) -> None:
+        with telemetry.use(span):
+            await self.producer.send(
+                self.topics.results,
+                result,
+                key=result.episode_id,
+                partition=d.message.reply_partition,
+            )
 
     async def drain(self) -> None:
         if hasattr(self, "steps"):

@@ -27,6 +27,7 @@ from services.learner.groups import GroupAssembler
 from services.learner.settings import LearnerSettings
 from services.learner.store import load_checkpoint, save_checkpoint, save_weights
 from services.learner.trainer import Trainer
+from shared import telemetry
 from shared.messages import Prompt, Sampling, ScoredTrajectory, WeightVersion
 from shared.service import Service
 from shared.tasks import TASKS
@@ -144,8 +145,9 @@ class Learner(Service):
     async def main(self) -> None:
         while not self.stopping:
             for d in await self.scored.poll(0.5):
-                for done in self.assembler.add(d):
-                    self.scored.ack(done)
+                with d.processing():
+                    for done in self.assembler.add(d):
+                        self.scored.ack(done)
                 self.count_input()
             while len(self.assembler.ready) >= self.cfg.groups_per_step and not self.stopping:
                 await self._train_step()
@@ -153,7 +155,10 @@ class Learner(Service):
     async def _train_step(self) -> None:
         groups = self.assembler.take(self.cfg.groups_per_step)
         t0 = time.perf_counter()
-        stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
+        episodes = [telemetry.sender_context(d.headers) for g in groups for d in g.deliveries]
+        attrs = {"rlbus.step": self.step + 1}
+        with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
+            stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
         self.step += 1
         self.version += 1
         for g in groups:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Any
 
 from services.reward.settings import RewardSettings
 from services.reward.verifiers import resolve
+from shared import telemetry
 from shared.messages import ScoredTrajectory, Trajectory
 from shared.service import Service
 from shared.transport import Bus, Consumer, Delivery, Producer
@@ -45,19 +47,30 @@ class Reward(Service):
                 await self._publish(batch)
 
     async def _publish(self, batch: list[Delivery[Trajectory]]) -> None:
-        scored = await asyncio.gather(*(self.score(d.message) for d in batch))
+        spans = [d.start_span() for d in batch]
+        scored = await asyncio.gather(
+            *(self._score(d, s) for d, s in zip(batch, spans, strict=True))
+        )
         for d in batch:
             self.trajectories.ack(d)
         offsets = self.trajectories.tracker.committable()
         async with self.producer.transaction():
-            for s in scored:
-                await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
+            for s, span in zip(scored, spans, strict=True):
+                with telemetry.use(span):
+                    await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
             if offsets:
                 await self.producer.send_offsets(offsets, self.cfg.group)
         self.trajectories.tracker.committed(offsets)
         self.count_input(len(batch))
         self.bump("masked", sum(not s.valid for s in scored))
         self.bump("reward_sum", sum(s.reward for s in scored if s.valid))
+
+    async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:
+        with telemetry.use(span, end=False), telemetry.span("score", self.member) as s:
+            scored = await self.score(d.message)
+            s.set_attribute("rlbus.reward", scored.reward)
+            s.set_attribute("rlbus.valid", scored.valid)
+            return scored
 
     async def score(self, t: Trajectory) -> ScoredTrajectory:
         if t.status == "failed":

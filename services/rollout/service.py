@@ -18,6 +18,7 @@ import zlib
 from typing import Any, Literal
 
 from services.rollout.settings import RolloutSettings
+from shared import telemetry
 from shared.codec import encode
 from shared.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
 from shared.service import Service
@@ -114,19 +115,32 @@ class Rollout(Service):
     async def _run_group(self, d: Delivery[Prompt]) -> None:
         prompt = d.message
         task = TASKS.get(prompt.task)
-        if task is None:
-            await self._dead_letter(d, f"unknown task {prompt.task!r}; known: {sorted(TASKS)}")
-        else:
-            episodes = [self._episode(task, prompt, i) for i in range(prompt.group_size)]
-            trajectories = await asyncio.gather(*episodes)
-            await asyncio.gather(*(self._publish(t) for t in trajectories))
-            self.bump("episodes", len(trajectories))
-            self.bump("failed_episodes", sum(t.status == "failed" for t in trajectories))
-        self.prompts.ack(d)
+        with d.processing() as prompt_span:
+            if task is None:
+                error = f"unknown task {prompt.task!r}; known: {sorted(TASKS)}"
+                await self._dead_letter(d, error)
+            else:
+                await asyncio.gather(
+                    *(
+                        self._traced_episode(task, prompt, i, prompt_span)
+                        for i in range(prompt.group_size)
+                    )
+                )
+        self.prompts.ack(d)  # only now: every trajectory of the group is on the broker
         self.count_input()
 
-    async def _publish(self, t: Trajectory) -> None:
-        await self.producer.send(self.topics.trajectories, t, key=t.group_id)
+    async def _traced_episode(self, task: Task, prompt: Prompt, index: int, parent: Any) -> None:
+        """One episode = one trace: its root span covers every step request, environment
+        step and the trajectory's publication; the prompt is linked, not a parent."""
+        attrs = {"rlbus.episode_id": f"{prompt.group_id}/{index}", "rlbus.task": prompt.task}
+        with telemetry.span(
+            "episode", self.member, root=True, links=[parent], attributes=attrs
+        ) as span:
+            t = await self._episode(task, prompt, index)
+            span.set_attribute("rlbus.status", t.status)
+            await self.producer.send(self.topics.trajectories, t, key=t.group_id)
+        self.bump("episodes")
+        self.bump("failed_episodes", t.status == "failed")
 
     async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
         log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
@@ -168,7 +182,8 @@ class Rollout(Service):
         """The agent loop: ask the policy, step the environment, until done."""
         assert self.tokenizer is not None
         env: Env = task.make_env()
-        obs = await asyncio.wait_for(env.reset(prompt.spec), self.cfg.env_timeout_s)
+        with telemetry.span("env.reset", self.member):
+            obs = await asyncio.wait_for(env.reset(prompt.spec), self.cfg.env_timeout_s)
         new_ids = self.tokenizer.encode(obs)
         context: list[int] = []
         for turn in range(task.max_turns):
@@ -177,7 +192,8 @@ class Rollout(Service):
                 return
             result = await self._ask(episode_id, turn, context, prompt)
             action = self.tokenizer.decode(result.completion_ids)
-            outcome = await asyncio.wait_for(env.step(action), self.cfg.env_timeout_s)
+            with telemetry.span("env.step", self.member, attributes={"rlbus.turn": turn}):
+                outcome = await asyncio.wait_for(env.step(action), self.cfg.env_timeout_s)
             turns.append(
                 Turn(
                     input_ids=new_ids,
