@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,35 @@ async def feed_command(args: argparse.Namespace) -> int:
         await bus.close()
     print(f"published {len(prompts)} prompt(s) to {topics.prompts}")
     return 0
+
+
+async def inspect_command(args: argparse.Namespace) -> int:
+    from services import inspect
+
+    s = AdminSettings()
+    topics = Topics(s.topics)
+    bus = KafkaBus(s.kafka, dlq_topic=None, service="inspect")
+    try:
+        if args.command == "trace":
+            rows = await inspect.gather_episode(bus, topics, args.episode_id)
+            if args.json:
+                for r in rows:
+                    print(json.dumps(inspect.as_json(r["raw"], r["message"], None)))
+            else:
+                inspect.render_episode(args.episode_id, rows, sys.stdout.write)
+            return 0 if rows else 1
+        start = inspect.Start(
+            offset=args.from_offset,
+            timestamp_ms=inspect.parse_time(args.from_time) if args.from_time else None,
+        )
+        match = inspect.Filter(key=args.key, episode=args.episode, group=args.group)
+        n = await inspect.replay(
+            bus, topics, args.topic, start, match, to=args.to, limit=args.limit
+        )
+        if args.to:
+            print(f"re-published {n} record(s) to {args.to}", file=sys.stderr)
+        return 0
+    except LookupError as exc:
+        raise SystemExit(str(exc)) from None
+    finally:
+        await bus.close()

@@ -1,10 +1,12 @@
 """The ``rlbus`` command. Imports nothing heavy until a subcommand needs it.
 
-    rlbus demo                      train on the built-in multi-turn task, end to end
-    rlbus run SERVICE               run one service (rollout, inference, reward, learner)
-    rlbus topics create             create the topic catalogue (idempotent)
-    rlbus feed FILE.jsonl           publish prompts from a dataset file
-    rlbus broker start|stop|status  a local Kafka broker (no Docker needed)
+rlbus demo                      train on the built-in multi-turn task, end to end
+rlbus run SERVICE               run one service (rollout, inference, reward, learner)
+rlbus topics create             create the topic catalogue (idempotent)
+rlbus feed FILE.jsonl           publish prompts from a dataset file
+rlbus replay TOPIC              print (or re-publish) messages of a topic
+rlbus trace EPISODE_ID          one episode's messages across topics, turn by turn
+rlbus broker start|stop|status  a local Kafka broker (no Docker needed)
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def _parser() -> argparse.ArgumentParser:
     feed.add_argument("--max-new-tokens", type=int, default=16)
     feed.add_argument("--temperature", type=float, default=1.0)
 
+    replay = sub.add_parser("replay", help="print a topic's messages as JSON lines, or re-publish")
+    replay.add_argument("topic", help="full name or catalogue name, e.g. trajectories")
+    start = replay.add_mutually_exclusive_group()
+    start.add_argument("--from-offset", type=int, help="start at this offset in every partition")
+    start.add_argument("--from-time", help="start at a time: epoch s/ms or ISO 8601")
+    start.add_argument("--from-beginning", action="store_true", help="the default")
+    replay.add_argument("--key", help="only records with this key")
+    replay.add_argument("--episode", help="only messages of this episode id")
+    replay.add_argument("--group", help="only messages of this group id")
+    replay.add_argument("--limit", type=int, help="at most this many messages")
+    replay.add_argument("--to", help="re-publish the matching records (bytes, key, headers)")
+
+    tr = sub.add_parser("trace", help="one episode across topics, turn by turn")
+    tr.add_argument("episode_id")
+    tr.add_argument("--json", action="store_true", help="JSON lines instead of the transcript")
+
     broker = sub.add_parser("broker", help="local Kafka broker: start|stop|status")
     broker.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -71,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.admin import feed_command
 
         return asyncio.run(feed_command(args))
+    if args.command in ("replay", "trace"):
+        from services.admin import inspect_command
+
+        return asyncio.run(inspect_command(args))
     if args.command == "demo":
         from services.demo import demo_command
 

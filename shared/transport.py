@@ -76,7 +76,12 @@ class Delivery(Generic[M]):
     def start_span(self) -> Span:
         """A ``process <topic>`` span, child of the sender's span (not made current)."""
         return telemetry.start_consumer_span(
-            self.service, self.topic, self.partition, self.offset, self.key, self.headers,
+            self.service,
+            self.topic,
+            self.partition,
+            self.offset,
+            self.key,
+            self.headers,
             self.group,
         )
 
@@ -190,7 +195,15 @@ class Consumer(ABC, Generic[M]):
     async def end_offsets(self, tps: list[TP]) -> dict[TP, int]: ...
 
     @abstractmethod
+    async def offsets_for_time(self, tps: list[TP], timestamp_ms: int) -> dict[TP, int]:
+        """Per partition, the first offset at or after ``timestamp_ms`` (end if none)."""
+
+    @abstractmethod
     async def close(self) -> None: ...
+
+    async def poll_raw(self, timeout_s: float = 1.0, max_records: int = 500) -> list[RawRecord]:
+        """Undecoded records (replay re-publishes bytes as they are); not tracked for commit."""
+        return await self._fetch(timeout_s, max_records)
 
     async def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Delivery[M]]:
         """Next decoded records; bad ones go to the dead-letter topic and are acked."""
@@ -206,16 +219,21 @@ class Consumer(ABC, Generic[M]):
         try:
             message = decode(raw.value, self.message_type)
         except DecodeError as exc:
-            log.warning(
-                "dead letter %s[%d]@%d: %s", raw.topic, raw.partition, raw.offset, exc
-            )
+            log.warning("dead letter %s[%d]@%d: %s", raw.topic, raw.partition, raw.offset, exc)
             if self.dlq is not None:
                 await self.dlq.put(raw, str(exc))
             self.tracker.ack(raw.topic, raw.partition, raw.offset)
             return None
         return Delivery(
-            raw.topic, raw.partition, raw.offset, raw.key, message, raw.headers, raw.timestamp_ms,
-            self.service, self.group,
+            raw.topic,
+            raw.partition,
+            raw.offset,
+            raw.key,
+            message,
+            raw.headers,
+            raw.timestamp_ms,
+            self.service,
+            self.group,
         )
 
     def ack(self, delivery: Delivery[Any]) -> None:
@@ -258,6 +276,10 @@ class Bus(ABC):
         on_assign: AssignCallback | None = None,
     ) -> Consumer[M]:
         """A group member (``group_id``) or a static reader of ``assign`` partitions."""
+
+    @abstractmethod
+    async def partitions(self, topic: str) -> list[int]:
+        """The partition ids of ``topic``; raises LookupError if it does not exist."""
 
     async def dead_letter_sink(self) -> DeadLetterSink | None:
         if self.dlq_topic is None:
@@ -476,6 +498,17 @@ class KafkaConsumer(Consumer[M]):
         )
         return {(tp.topic, tp.partition): off for tp, off in got.items()}
 
+    async def offsets_for_time(self, tps: list[TP], timestamp_ms: int) -> dict[TP, int]:
+        query = {TopicPartition(*tp): timestamp_ms for tp in tps}
+        found = await with_timeout(self._c.offsets_for_times(query), self._timeout, "offsets")
+        ends = await self.end_offsets(tps)
+        return {
+            (tp.topic, tp.partition): (
+                hit.offset if hit is not None else ends[(tp.topic, tp.partition)]
+            )
+            for tp, hit in found.items()
+        }
+
     async def close(self) -> None:
         try:
             await with_timeout(self._c.stop(), self._timeout, "consumer stop")
@@ -556,6 +589,15 @@ class KafkaBus(Bus):
         if assign is not None and on_assign is not None:
             await on_assign(sorted(assign))
         return consumer
+
+    async def partitions(self, topic: str) -> list[int]:
+        async with admin_client(self.kafka) as admin:
+            described = await with_timeout(
+                admin.describe_topics([topic]), self.kafka.request_timeout_s, "describe"
+            )
+        if not described or described[0].get("error_code", 0) != 0:
+            raise LookupError(f"no topic {topic!r} on {self.kafka.bootstrap}")
+        return sorted(p["partition"] for p in described[0]["partitions"])
 
     async def close(self) -> None:
         for client in reversed(self._clients):
@@ -747,6 +789,13 @@ class MemoryConsumer(Consumer[M]):
     async def end_offsets(self, tps: list[TP]) -> dict[TP, int]:
         return {tp: len(self.broker.partitions(tp[0])[tp[1]]) for tp in tps}
 
+    async def offsets_for_time(self, tps: list[TP], timestamp_ms: int) -> dict[TP, int]:
+        out = {}
+        for tp in tps:
+            log_ = self.broker.partitions(tp[0])[tp[1]]
+            out[tp] = next((r.offset for r in log_ if r.timestamp_ms >= timestamp_ms), len(log_))
+        return out
+
     async def close(self) -> None:
         if self.group_id is not None:
             group = self.broker.groups[self.group_id]
@@ -782,7 +831,12 @@ class MemoryBus(Bus):
         on_assign: AssignCallback | None = None,
     ) -> Consumer[M]:
         c = MemoryConsumer(
-            self.broker, topics, message_type, await self.dead_letter_sink(), group_id, from_end,
+            self.broker,
+            topics,
+            message_type,
+            await self.dead_letter_sink(),
+            group_id,
+            from_end,
             on_assign,
         )
         c.service, c.group = self.service, group_id
@@ -795,6 +849,11 @@ class MemoryBus(Bus):
             c.reassign([(t, p) for t in topics for p in range(len(self.broker.partitions(t)))])
         self._consumers.append(c)
         return c
+
+    async def partitions(self, topic: str) -> list[int]:
+        if topic not in self.broker.logs:
+            raise LookupError(f"no topic {topic!r}")
+        return list(range(len(self.broker.logs[topic])))
 
     async def close(self) -> None:
         for c in self._consumers:
