@@ -6,38 +6,108 @@ kinds and attributes follow the OpenTelemetry semantic conventions for messaging
 version 1.27.0 (``send <topic>`` PRODUCER spans, ``process <topic>`` CONSUMER spans,
 ``messaging.*`` attributes).
 
-Exporters are chosen by the standard variables: ``OTEL_TRACES_EXPORTER`` = ``otlp`` (to
-``OTEL_EXPORTER_OTLP_ENDPOINT``, Jaeger in docker-compose), ``console`` or ``none``. With
-neither that nor an OTLP endpoint set, nothing is exported (a local run has no collector).
+Exporters are chosen by the standard variables: ``OTEL_TRACES_EXPORTER`` and
+``OTEL_METRICS_EXPORTER`` = ``otlp`` (to ``OTEL_EXPORTER_OTLP_ENDPOINT``, Jaeger / a collector
+in docker-compose), ``console`` or ``none``. With neither set nor an OTLP endpoint, nothing
+is exported (a local run has no collector).
+
+Metrics (all prefixed ``rlbus.``): ``episodes`` and ``tokens`` counters (rates are what
+dashboards show as episodes/s and tokens/s), ``step.latency`` (s, request to answer as the
+rollout sees it), ``staleness`` (versions), ``reward``, ``loss``, ``consumer.lag`` (records,
+per topic/partition/group) and ``event_loop.lag`` (s).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind
 
 SEMCONV_SCHEMA = "https://opentelemetry.io/schemas/1.27.0"
 _tracer = trace.get_tracer("rlbus", schema_url=SEMCONV_SCHEMA)
+meter = metrics.get_meter("rlbus")
+
+EPISODES = meter.create_counter("rlbus.episodes", unit="{episode}", description="episodes ended")
+TOKENS = meter.create_counter("rlbus.tokens", unit="{token}", description="tokens generated")
+STEP_LATENCY = meter.create_histogram(
+    "rlbus.step.latency", unit="s", description="step request sent to answer received"
+)
+STALENESS = meter.create_histogram(
+    "rlbus.staleness", unit="{version}", description="learner version minus sampling version"
+)
+REWARD = meter.create_histogram("rlbus.reward", description="verified reward per episode")
+LOSS = meter.create_histogram("rlbus.loss", description="policy loss per optimizer step")
+LOOP_LAG = meter.create_histogram(
+    "rlbus.event_loop.lag", unit="s", description="how late a 0.1 s asyncio sleep wakes up"
+)
+
+
+_lag_sources: list[Callable[[], Iterable[tuple[int, dict[str, Any]]]]] = []
+
+
+def register_lag_source(source: Callable[[], Iterable[tuple[int, dict[str, Any]]]]) -> None:
+    """``source()`` yields (lag, attributes) pairs; read whenever metrics are collected."""
+    _lag_sources.append(source)
+
+
+def _observe_lag(_options: Any) -> Iterator[Observation]:
+    for source in _lag_sources:
+        for lag, attrs in source():
+            yield Observation(lag, attrs)
+
+
+meter.create_observable_gauge(
+    "rlbus.consumer.lag", [_observe_lag], unit="{record}", description="records not yet fetched"
+)
+
+
+def _exporter_choice(signal: str) -> str:
+    return os.environ.get(f"OTEL_{signal}_EXPORTER") or (
+        "otlp" if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") else "none"
+    )
 
 
 def setup(service: str) -> None:
-    """Install a tracer provider for this process per the OTEL_* variables (once)."""
-    exporter = os.environ.get("OTEL_TRACES_EXPORTER") or (
-        "otlp" if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") else "none"
-    )
+    """Install tracer and meter providers for this process per the OTEL_* variables."""
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service)})
+    _setup_traces(resource, _exporter_choice("TRACES"))
+    _setup_metrics(resource, _exporter_choice("METRICS"))
+
+
+def _setup_metrics(resource: Any, exporter: str) -> None:
     if exporter == "none":
         return
-    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        PeriodicExportingMetricReader,
+    )
+
+    if exporter == "console":
+        reader = PeriodicExportingMetricReader(ConsoleMetricExporter())
+    elif exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+    else:
+        raise ValueError(f"OTEL_METRICS_EXPORTER={exporter!r}: use otlp, console or none")
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+
+
+def _setup_traces(resource: Any, exporter: str) -> None:
+    if exporter == "none":
+        return
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service)})
     provider = TracerProvider(resource=resource)
     if exporter == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
@@ -51,11 +121,11 @@ def setup(service: str) -> None:
 
 
 def shutdown() -> None:
-    """Flush spans still buffered (called once when a service stops)."""
-    provider = trace.get_tracer_provider()
-    flush = getattr(provider, "shutdown", None)
-    if flush is not None:
-        flush()
+    """Flush spans and metrics still buffered (called once when a service stops)."""
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        flush = getattr(provider, "shutdown", None)
+        if flush is not None:
+            flush()
 
 
 def _attrs(

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -236,6 +237,19 @@ class Consumer(ABC, Generic[M]):
             self.group,
         )
 
+    def highwater(self, tp: TP) -> int | None:
+        """The partition's end offset as of the last fetch (None if not known yet)."""
+        return None
+
+    def lag(self) -> dict[TP, int]:
+        """Records on the broker that this consumer has not fetched yet, per partition."""
+        out = {}
+        for tp in self.assignment():
+            end = self.highwater(tp)
+            if end is not None:
+                out[tp] = max(0, end - self.tracker.position(tp, end))
+        return out
+
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)
 
@@ -251,6 +265,26 @@ class Consumer(ABC, Generic[M]):
         while True:
             for d in await self.poll(timeout_s):
                 yield d
+
+
+_live_consumers: weakref.WeakSet[Consumer[Any]] = weakref.WeakSet()
+
+
+def _lag_observations() -> Iterator[tuple[int, dict[str, Any]]]:
+    for c in list(_live_consumers):
+        if c.group is None:
+            continue  # static readers (replies, weights) have no backlog to speak of
+        for (topic, partition), lag in c.lag().items():
+            attrs = {
+                "messaging.destination.name": topic,
+                "messaging.destination.partition.id": str(partition),
+                "messaging.consumer.group.name": c.group,
+                "rlbus.service": c.service,
+            }
+            yield lag, attrs
+
+
+telemetry.register_lag_source(_lag_observations)
 
 
 class Bus(ABC):
@@ -338,6 +372,10 @@ class OffsetTracker:
             self._pending.pop(tp, None)
             self._next.pop(tp, None)
             self._committed.pop(tp, None)
+
+    def position(self, tp: TP, default: int) -> int:
+        """The next offset to be delivered on ``tp``."""
+        return self._next.get(tp, default)
 
     def in_flight(self) -> int:
         return sum(1 for p in self._pending.values() for done in p.values() if not done)
@@ -489,6 +527,10 @@ class KafkaConsumer(Consumer[M]):
     def assignment(self) -> list[TP]:
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
 
+    def highwater(self, tp: TP) -> int | None:
+        hw: int | None = self._c.highwater(TopicPartition(*tp))
+        return hw
+
     async def seek(self, tp: TP, offset: int) -> None:
         self._c.seek(TopicPartition(*tp), offset)
 
@@ -585,6 +627,7 @@ class KafkaBus(Bus):
         )
         listener.consumer = consumer
         consumer.service, consumer.group = self.service, group_id
+        _live_consumers.add(consumer)
         self._clients.append(consumer)
         if assign is not None and on_assign is not None:
             await on_assign(sorted(assign))
@@ -783,6 +826,9 @@ class MemoryConsumer(Consumer[M]):
     def assignment(self) -> list[TP]:
         return list(self._assigned)
 
+    def highwater(self, tp: TP) -> int | None:
+        return len(self.broker.partitions(tp[0])[tp[1]])
+
     async def seek(self, tp: TP, offset: int) -> None:
         self._positions[tp] = offset
 
@@ -840,6 +886,7 @@ class MemoryBus(Bus):
             on_assign,
         )
         c.service, c.group = self.service, group_id
+        _live_consumers.add(c)
         if assign is not None:
             c.reassign(assign)
         elif group_id is not None:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import random
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,8 @@ class HFEngine(Engine):
             raise ValueError("the hf engine needs RLBUS_MODEL_PATH (a Hugging Face model folder)")
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        torch.manual_seed(settings.seed)
+        # Replicas of one tier must not draw the same samples for the same prompt.
+        torch.manual_seed(settings.seed + zlib.crc32(settings.instance.encode()))
         self.torch = torch
         self.device = torch.device(settings.device)
         model: Any = AutoModelForCausalLM.from_pretrained(

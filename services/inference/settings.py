@@ -48,7 +48,7 @@ class InferenceSettings(ServiceSettings):
     """Longest wait for the weights a request's min_version asks for before serving it
     with older ones (and counting it)."""
     seed: int = 0
-    """Sampling seed (per replica: add the instance index for distinct streams)."""
+    """Sampling seed; each replica mixes in its instance name for a stream of its own."""
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     """vllm: share of GPU memory for weights and KV cache."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
