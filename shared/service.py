@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
+from shared import telemetry
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from shared.transport import Bus, KafkaBus
@@ -100,6 +101,16 @@ class Service(ABC):
     def bump(self, counter: str, n: float = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n
 
+    async def _watch_loop_lag(self) -> None:
+        """How late a short sleep wakes up: blocking code in a handler shows here first."""
+        while not self.stopping:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.1)
+            telemetry.LOOP_LAG.record(
+                max(0.0, time.perf_counter() - t0 - 0.1), {"rlbus.service": self.member}
+            )
+            await self.wait_stopped(1.0)
+
     async def _watch_idle(self) -> None:
         idle = self.settings.until_idle_s
         if idle is None:
@@ -116,6 +127,7 @@ class Service(ABC):
         try:
             await self.setup()
             self.spawn("idle-watch", self._watch_idle())
+            self.spawn("loop-lag", self._watch_loop_lag())
             main = asyncio.create_task(self.main(), name=f"{self.member}:main")
             stop = asyncio.create_task(self._stop.wait())
             await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)

@@ -130,7 +130,9 @@ class Inference(Service):
             self.steps.ack(d)
         await self.steps.commit()
         self.count_input(len(batch))
-        self.bump("tokens", sum(len(r.completion_ids) for r in results))
+        tokens = sum(len(r.completion_ids) for r in results)
+        self.bump("tokens", tokens)
+        telemetry.TOKENS.add(tokens, {"rlbus.service": self.member})
 
     def _routable(self, d: Delivery[StepRequest]) -> bool:
         if d.message.reply_partition < self.settings.topics.result_partitions:

@@ -159,6 +159,8 @@ class Learner(Service):
         attrs = {"rlbus.step": self.step + 1}
         with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
+        self._record_staleness(groups)
+        telemetry.LOSS.record(stats["loss"])
         self.step += 1
         self.version += 1
         for g in groups:
@@ -172,6 +174,11 @@ class Learner(Service):
         self._progress.set()
         if self.step >= self.cfg.max_steps:
             self.request_stop(f"reached max_steps={self.cfg.max_steps}")
+
+    def _record_staleness(self, groups: list[Any]) -> None:
+        for g in groups:
+            for m in g.members.values():
+                telemetry.STALENESS.record(self.version - m.trajectory.min_version)
 
     async def _publish_weights(self) -> None:
         folder, digest = await asyncio.to_thread(

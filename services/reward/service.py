@@ -70,6 +70,8 @@ class Reward(Service):
             scored = await self.score(d.message)
             s.set_attribute("rlbus.reward", scored.reward)
             s.set_attribute("rlbus.valid", scored.valid)
+            if scored.valid:
+                telemetry.REWARD.record(scored.reward, {"rlbus.task": d.message.task})
             return scored
 
     async def score(self, t: Trajectory) -> ScoredTrajectory:

@@ -141,6 +141,7 @@ class Rollout(Service):
             await self.producer.send(self.topics.trajectories, t, key=t.group_id)
         self.bump("episodes")
         self.bump("failed_episodes", t.status == "failed")
+        telemetry.EPISODES.add(1, {"rlbus.task": t.task, "rlbus.status": t.status})
 
     async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
         log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
@@ -230,13 +231,18 @@ class Rollout(Service):
         """Send, and re-send the same request until answered or out of retries."""
         future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
+        sent = time.perf_counter()
         try:
             for attempt in range(self.cfg.step_retries + 1):
                 if attempt:
                     self.bump("resends")
                 await self.producer.send(self.topics.steps, request, key=request.episode_id)
                 try:
-                    return await asyncio.wait_for(asyncio.shield(future), self.cfg.step_timeout_s)
+                    result = await asyncio.wait_for(
+                        asyncio.shield(future), self.cfg.step_timeout_s
+                    )
+                    telemetry.STEP_LATENCY.record(time.perf_counter() - sent)
+                    return result
                 except TimeoutError:
                     log.info("no answer to %s; re-sending", request.request_id)
             raise EpisodeFailed(
