@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--limit", type=int, help="at most this many messages")
     replay.add_argument("--to", help="re-publish the matching records (bytes, key, headers)")
 
+    st = sub.add_parser("status", help="live lag and throughput per topic and consumer group")
+    st.add_argument("--once", action="store_true", help="print one table and exit")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
+
     tr = sub.add_parser("trace", help="one episode across topics, turn by turn")
     tr.add_argument("episode_id")
     tr.add_argument("--json", action="store_true", help="JSON lines instead of the transcript")
@@ -93,6 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.admin import inspect_command
 
         return asyncio.run(inspect_command(args))
+    if args.command == "status":
+        from services.admin import AdminSettings
+        from services.status import status_command
+        from shared.topics import Topics
+
+        s = AdminSettings()
+        return asyncio.run(status_command(s.kafka, Topics(s.topics), args.once, args.interval))
     if args.command == "demo":
         from services.demo import demo_command
 

@@ -125,3 +125,31 @@ async def test_trace_gathers_one_episode_across_topics(env):
     assert "task=guess_number" in transcript
     assert "turn 0  [policy v0, 2 tokens, stop] action: '3' -> observation: 'correct'" in transcript
     assert "reward  1.0 by x" in transcript
+
+
+async def test_status_reports_lag_per_group_and_topic(env, unique_name):
+    from services.status import sample, table
+
+    bus, topics = env
+    p = await bus.producer()
+    for i in range(5):
+        await p.send(topics.prompts, factories.prompt(f"g{i}"), partition=0)
+    group = unique_name("g")
+    consumer = await bus.consumer([topics.prompts], Prompt, group_id=group)
+    got = []
+    for _ in range(20):
+        got += await consumer.poll(0.5)
+        if len(got) >= 5:
+            break
+    for d in got[:2]:
+        consumer.ack(d)
+    await consumer.commit()
+    first = await sample(bus.kafka, topics, bus)
+    assert first.ends[topics.prompts] == 5
+    assert first.lag[(group, topics.prompts)] == 3
+    consumer.ack(got[2])
+    await consumer.commit()
+    second = await sample(bus.kafka, topics, bus)
+    assert second.lag[(group, topics.prompts)] == 2
+    rendered = table(first, second)
+    assert rendered.row_count >= len(topics.catalogue())
