@@ -26,7 +26,7 @@ from typing import Any
 from services.learner.groups import GroupAssembler
 from services.learner.settings import LearnerSettings
 from services.learner.store import load_checkpoint, save_checkpoint, save_weights
-from services.learner.trainer import Trainer
+from services.learner.trainer import SyntheticTrainer, Trainer
 from shared import telemetry
 from shared.messages import Prompt, Sampling, ScoredTrajectory, WeightVersion
 from shared.service import Service
@@ -61,7 +61,10 @@ class Learner(Service):
     # -- setup and restore
 
     async def setup(self) -> None:
-        self.trainer = Trainer(self.cfg)  # on the loop thread: HF loading is not thread-safe
+        # On the loop thread: HF loading is not thread-safe.
+        self.trainer: Trainer | SyntheticTrainer = (
+            SyntheticTrainer(self.cfg) if self.cfg.trainer == "synthetic" else Trainer(self.cfg)
+        )
         self._restore(await asyncio.to_thread(load_checkpoint, self.cfg.checkpoint_dir))
         self.producer: Producer = await self.bus.producer()
         self.version = max(self.version, await self._published_version())
@@ -97,8 +100,12 @@ class Learner(Service):
         while seen < end:
             batch = await weights.poll(0.5)
             seen = max([seen, *(d.offset + 1 for d in batch)])
-            newest = max([newest, *(d.message.version for d in batch
-                                    if d.message.model == self.cfg.model_name)])
+            newest = max(
+                [
+                    newest,
+                    *(d.message.version for d in batch if d.message.model == self.cfg.model_name),
+                ]
+            )
         await weights.close()
         return newest
 
@@ -181,17 +188,20 @@ class Learner(Service):
                 telemetry.STALENESS.record(self.version - m.trajectory.min_version)
 
     async def _publish_weights(self) -> None:
-        folder, digest = await asyncio.to_thread(
-            save_weights,
-            self.trainer.model,
-            self.cfg.weights_dir,
-            self.version,
-            self.cfg.keep_weights,
-        )
+        uri, digest = "synthetic://", ""
+        if isinstance(self.trainer, Trainer):
+            folder, digest = await asyncio.to_thread(
+                save_weights,
+                self.trainer.model,
+                self.cfg.weights_dir,
+                self.version,
+                self.cfg.keep_weights,
+            )
+            uri = str(folder.resolve())
         event = WeightVersion(
             model=self.cfg.model_name,
             version=self.version,
-            uri=str(folder.resolve()),
+            uri=uri,
             checksum=digest,
             step=self.step,
         )
@@ -224,8 +234,12 @@ class Learner(Service):
         }
         log.info(
             "step %d v%d reward=%.3f success=%.2f staleness<=%d loss=%.4f",
-            self.step, self.version, stats["reward_mean"], stats["success_rate"],
-            int(stats["staleness_max"]), stats["loss"],
+            self.step,
+            self.version,
+            stats["reward_mean"],
+            stats["success_rate"],
+            int(stats["staleness_max"]),
+            stats["loss"],
         )
         if self.cfg.metrics_file is not None:
             _append_json(self.cfg.metrics_file, row)

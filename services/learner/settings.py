@@ -66,5 +66,10 @@ class LearnerSettings(ServiceSettings):
     """Sampling temperature sent with each prompt."""
     max_new_tokens: int = Field(default=4, ge=1)
     """Most tokens per completion (per turn)."""
+    trainer: Literal["grpo", "synthetic"] = "grpo"
+    """grpo: the real optimizer step; synthetic: no model, each step just takes
+    ``synthetic_step_s`` (load tests of the pipeline without a model)."""
+    synthetic_step_s: float = Field(default=0.5, ge=0)
+    """Wall time of one synthetic optimizer step."""
     group: str = "learner"
     """Consumer group of the learner."""

@@ -136,3 +136,35 @@ class Trainer:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
+
+
+class SyntheticTrainer:
+    """No model: a step takes ``synthetic_step_s`` of wall time (load tests)."""
+
+    def __init__(self, cfg: LearnerSettings) -> None:
+        self.cfg = cfg
+
+    def step(self, groups: list[Group], version: int) -> dict[str, float]:
+        import time
+
+        time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
+        samples = [m for g in groups for m in g.ordered()]
+        stale = [float(version - m.trajectory.min_version) for m in samples]
+        valid = [m for m in samples if m.valid]
+        return {
+            "loss": 0.0,
+            "episodes": float(len(samples)),
+            "masked": float(len(samples) - len(valid)),
+            "reward_mean": _mean([m.reward for m in valid]),
+            "success_rate": math.nan,
+            "staleness_mean": _mean(stale),
+            "staleness_max": max(stale, default=0.0),
+            "turns_mean": _mean([float(len(m.trajectory.turns)) for m in samples]),
+            "tokens": float(sum(m.trajectory.num_tokens for m in samples)),
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        return None

@@ -50,6 +50,16 @@ class Tokenizer:
         return str(self.tok.decode(ids, skip_special_tokens=True))
 
 
+class SyntheticTokenizer:
+    """Words to stable ids and ids to numbers: enough for synthetic environments."""
+
+    def encode(self, text: str) -> list[int]:
+        return [zlib.crc32(w.encode()) % 50_000 for w in text.split()] or [0]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
 def default_reply_partition(instance: str, partitions: int) -> int:
     number = int(instance) if instance.isdigit() else zlib.crc32(instance.encode())
     return number % partitions
@@ -74,7 +84,9 @@ class Rollout(Service):
         self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
 
     async def setup(self) -> None:
-        if self.tokenizer is None:
+        if self.tokenizer is None and self.cfg.tokenizer == "synthetic":
+            self.tokenizer = SyntheticTokenizer()
+        elif self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(Tokenizer, self.cfg.model_path)
         self.producer: Producer = await self.bus.producer()
         self.replies: Consumer[StepResult] = await self.bus.consumer(

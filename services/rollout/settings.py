@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -14,6 +15,9 @@ class RolloutSettings(ServiceSettings):
 
     model_path: Path | None = None
     """Folder with the policy's tokenizer (the same folder inference loads)."""
+    tokenizer: Literal["hf", "synthetic"] = "hf"
+    """hf: the policy's tokenizer from model_path; synthetic: word hashes, for load tests
+    with the synthetic engine (no model anywhere)."""
     max_concurrent_episodes: int = Field(default=64, ge=1)
     """Episodes in flight at once in this instance (each holds one pending step request)."""
     max_groups_in_flight: int = Field(default=16, ge=1)

@@ -1,0 +1,97 @@
+"""A tiny random-init causal LM and word-level tokenizer, built locally.
+
+Tests and the CPU demo need a model that loads like any real one
+(`AutoModelForCausalLM.from_pretrained(folder)`, `AutoTokenizer.from_pretrained(folder)`)
+without downloading anything. The vocabulary is every word of the built-in tasks plus the
+numbers 0..MAX_NUMBER, one token each, so a completion "7" is one token and the policy's
+action space stays small enough to learn from scratch with RL in minutes.
+
+Token format: the tokenizer never adds special tokens (no BOS, no EOS), so the ids of a
+prompt, of each completion and of each observation concatenate exactly as the agent loop
+appends them. `<eos>` ends a completion (the model learns to emit it); `<pad>` pads batches.
+Decoding joins words with single spaces, so every task text round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from shared.tasks import TASKS
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+MAX_NUMBER = 99
+
+# hidden, layers, heads, intermediate. "tiny" learns guess_number in about a minute on one
+# CPU thread; "small" leaves head-room for harder tasks.
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (64, 2, 4, 128),
+    "small": (128, 4, 4, 256),
+}
+
+
+def vocabulary() -> list[str]:
+    """Special tokens first (stable ids 0..3), then numbers, then task words, sorted."""
+    numbers = [str(n) for n in range(MAX_NUMBER + 1)]
+    words = sorted(set().union(*(task.vocabulary() for task in TASKS.values())) - set(numbers))
+    return SPECIAL_TOKENS + numbers + words
+
+
+def build_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocabulary()`, saved to `folder` and returned."""
+    vocab = {word: i for i, word in enumerate(vocabulary())}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Split on whitespace only: task texts separate every token by a space, and "-" or "."
+    # inside a word must not be silently split into known pieces.
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+        model_max_length=256,
+    )
+    tokenizer.save_pretrained(str(folder))
+    _portable_tokenizer_class(Path(folder))
+    return tokenizer
+
+
+def _portable_tokenizer_class(folder: Path) -> None:
+    """Name the class transformers 4.x also knows (vLLM may pin 4.x); 5.x aliases it."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Save a random-init Llama and its tokenizer to `folder`; returns the folder."""
+    folder = Path(folder)
+    tokenizer = build_tokenizer(folder)
+    hidden, layers, heads, intermediate = SIZES[size]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=tokenizer.model_max_length,
+        tie_word_embeddings=True,  # halves the parameters of a model this small
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(folder))
+    return folder
