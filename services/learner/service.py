@@ -128,7 +128,10 @@ class Learner(Service):
             )
             for _ in range(min(room, total - self.next_index)):
                 i = self.next_index
-                spec = task.sample(random.Random(f"{self.cfg.seed}/{i}"))
+                spec = {
+                    **task.sample(random.Random(f"{self.cfg.seed}/{i}")),
+                    **self.cfg.task_spec,
+                }
                 prompt = Prompt(
                     group_id=f"{self.cfg.run_name}/{i}",
                     task=task.name,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -60,6 +60,8 @@ class LearnerSettings(ServiceSettings):
     """Host the prompt feeder (False when prompts come from ``rlbus feed``)."""
     task: str = "guess_number"
     """Built-in task the feeder samples."""
+    task_spec: dict[str, Any] = {}
+    """Keys merged over every sampled task spec (e.g. a synthetic scenario's latencies)."""
     run_name: str = "run"
     """Prefix of group ids; deterministic ids make re-sent prompts recognisable."""
     temperature: float = Field(default=1.0, ge=0)
