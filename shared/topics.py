@@ -81,10 +81,16 @@ class TopicMismatchError(RuntimeError):
     """An existing topic does not have the shape the catalogue asks for."""
 
 
+class TopicCreationError(RuntimeError):
+    """The broker refused to create a topic (e.g. replication above the broker count)."""
+
+
+_TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
+
+
 async def ensure_topics(kafka: KafkaSettings, topics: TopicSettings) -> list[str]:
     """Create missing topics; return the names created (empty when all existed)."""
     from aiokafka.admin import NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError
 
     specs = Topics(topics).catalogue()
     async with admin_client(kafka) as admin:
@@ -96,11 +102,15 @@ async def ensure_topics(kafka: KafkaSettings, topics: TopicSettings) -> list[str
             new = NewTopic(
                 spec.name, spec.partitions, topics.replication, topic_configs=spec.config
             )
-            try:
-                await admin.create_topics([new])
-                created.append(spec.name)
-            except TopicAlreadyExistsError:
-                pass  # another service created it between our look and our create
+            # aiokafka reports failures in the response, it does not raise them
+            response = await admin.create_topics([new])
+            for name, code, *rest in response.topic_errors:
+                if code == _TOPIC_ALREADY_EXISTS:
+                    continue  # another service created it between our look and our create
+                if code != 0:
+                    message = rest[0] if rest else ""
+                    raise TopicCreationError(f"creating {name} failed: error {code} {message}")
+                created.append(name)
         if created:
             log.info("created topics: %s", ", ".join(created))
         return created

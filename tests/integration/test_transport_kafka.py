@@ -135,3 +135,12 @@ async def test_transaction_commits_output_and_offsets_atomically(kafka, topics, 
         assert await again.poll(2.0) == []  # offsets committed with the transaction
     finally:
         await bus2.close()
+
+
+async def test_topic_creation_refused_by_the_broker_fails_clearly(kafka, unique_name):
+    from shared.topics import TopicCreationError
+
+    # one broker cannot hold three replicas
+    settings = TopicSettings(prefix=unique_name("t"), replication=3)
+    with pytest.raises(TopicCreationError, match=r"creating .* failed: error"):
+        await ensure_topics(kafka, settings)
