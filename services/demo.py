@@ -14,12 +14,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.launcher import ServiceProcesses, tail
 
 # The demo's training recipe (measured in-process first; see docs/architecture.md).
 RECIPE: dict[str, Any] = {
@@ -33,14 +34,6 @@ RECIPE: dict[str, Any] = {
     "RLBUS_CHECKPOINT_EVERY": "10",
 }
 DEFAULT_STEPS = 60
-SERVICES = ("inference", "reward", "rollout", "learner")
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
 
 
 @dataclass
@@ -51,7 +44,7 @@ class Demo:
     rollouts: int
     inference: int
     live: bool
-    procs: list[Proc] = field(default_factory=list)
+    procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
     started: float = field(default_factory=time.monotonic)
@@ -59,6 +52,9 @@ class Demo:
     @property
     def metrics(self) -> Path:
         return self.run_dir / "metrics.jsonl"
+
+    def __post_init__(self) -> None:
+        self.procs = ServiceProcesses(self.run_dir / "logs")
 
     # -- setup
 
@@ -101,8 +97,6 @@ class Demo:
         asyncio.run(ensure_topics(kafka, topics))
 
     def launch(self, env: dict[str, str]) -> None:
-        logs = self.run_dir / "logs"
-        logs.mkdir(exist_ok=True)
         model = {"RLBUS_MODEL_PATH": str(self.model)}
         extra: dict[str, dict[str, str]] = {
             "inference": model,
@@ -122,23 +116,9 @@ class Demo:
                   "learner": 1}
         for name, count in counts.items():
             for i in range(count):
-                self._spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)}, logs)
-
-    def _spawn(self, name: str, i: int, env: dict[str, str], logs: Path) -> None:
-        log = logs / f"{name}-{i}.log"
-        popen = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
-            env=env,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
-        )
-        self.procs.append(Proc(f"{name}-{i}", popen, log))
+                self.procs.spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)})
 
     # -- running
-
-    def learner(self) -> Proc:
-        return next(p for p in self.procs if p.name.startswith("learner"))
 
     def watch(self) -> str:
         """Until the learner exits, a service dies or time runs out; returns why it ended."""
@@ -146,30 +126,21 @@ class Demo:
 
         deadline = self.started + self.minutes * 60
         with Progress(self.steps, self.live) as progress:
+            learner = self.procs.get("learner-0")
             while True:
                 progress.update(read_metrics(self.metrics))
-                if self.learner().popen.poll() is not None:
-                    return "finished" if self.learner().popen.returncode == 0 else "learner failed"
-                dead = [p for p in self.procs if p.popen.poll() is not None]
+                if not learner.alive:
+                    return "finished" if learner.popen.returncode == 0 else "learner failed"
+                dead = self.procs.dead()
                 if dead:
-                    return f"{dead[0].name} exited with {dead[0].popen.returncode}"
+                    return f"{dead[0].label} exited with {dead[0].popen.returncode}"
                 if time.monotonic() > deadline:
                     return f"time budget of {self.minutes:g} min reached"
                 time.sleep(1.0)
 
     def stop(self) -> None:
         """SIGTERM the learner first (it checkpoints), then the rest; SIGKILL stragglers."""
-        order = sorted(self.procs, key=lambda p: not p.name.startswith("learner"))
-        for p in order:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for p in order:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            if p.popen.poll() is None:
-                p.popen.kill()
-                p.popen.wait()
+        self.procs.stop(first="learner")
         if self.cluster is not None:
             self.cluster.stop()
 
@@ -188,12 +159,6 @@ def say(text: str) -> None:
     print(f"[rlbus demo] {text}", flush=True)
 
 
-def tail(path: Path, lines: int = 15) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
 def demo_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     demo = Demo(run_dir, args.steps or DEFAULT_STEPS, args.minutes, args.rollouts,
@@ -202,7 +167,8 @@ def demo_command(args: argparse.Namespace) -> int:
     try:
         env = demo.prepare()
         demo.launch(env)
-        say(f"launched {', '.join(p.name for p in demo.procs)}; logs in {run_dir / 'logs'}")
+        labels = ", ".join(p.label for p in demo.procs.procs)
+        say(f"launched {labels}; logs in {run_dir / 'logs'}")
         reason = demo.watch()
     except KeyboardInterrupt:
         pass
@@ -225,8 +191,8 @@ def report(demo: Demo, reason: str) -> int:
         say(f"{key:>14}: {summary.get(key)}")
     say(f"wrote {demo.run_dir / 'summary.json'} and reward_curve.png")
     if reason != "finished":
-        for p in demo.procs:
+        for p in demo.procs.procs:
             if p.popen.returncode not in (0, None, -signal.SIGTERM):
-                say(f"{p.name} exited with {p.popen.returncode}; last lines of {p.log}:")
+                say(f"{p.label} exited with {p.popen.returncode}; last lines of {p.log}:")
                 print(tail(p.log))
     return 0 if reason in ("finished", "interrupted (Ctrl-C)") or reason.startswith("time") else 1

@@ -2,7 +2,8 @@
 
 Delivery contract: exactly once by checkpointed offsets. The checkpoint holds the model, the
 optimizer, the version, the step, the consumer offsets below which every episode has been
-trained, the ids of trained groups and the feeder's position, written atomically. A restarted
+trained, the ids of trained groups, the ledger of every episode id each step trained on (an
+audit trail, not deduplicated) and the feeder's position, written atomically. A restarted
 learner loads it, seeks its partitions to those offsets and rewinds the model with them, so
 nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
 committed offsets follow the checkpoint (for lag monitoring), never lead it.
@@ -57,6 +58,7 @@ class Learner(Service):
         self._progress = asyncio.Event()
         self._t0 = time.monotonic()
         self._episodes_trained = 0
+        self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
 
     # -- setup and restore
 
@@ -87,6 +89,8 @@ class Learner(Service):
         self.next_index = state["next_index"]
         self.offsets = {(t, p): off for (t, p), off in state["offsets"]}
         self.assembler = GroupAssembler(state["trained"])
+        self.ledger = state.get("ledger", [])
+        self._episodes_trained = sum(len(step) for step in self.ledger)
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
 
     async def _published_version(self) -> int:
@@ -178,6 +182,7 @@ class Learner(Service):
                 self.scored.ack(d)
         await self._publish_weights()
         self._episodes_trained += int(stats["episodes"])
+        self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         self._record(stats, time.perf_counter() - t0)
         if self.step % self.cfg.checkpoint_every == 0 or self.step >= self.cfg.max_steps:
             await self._checkpoint()
@@ -219,6 +224,7 @@ class Learner(Service):
             "next_index": self.next_index,
             "offsets": [[list(tp), off] for tp, off in offsets.items()],
             "trained": self.assembler.trained_ids(),
+            "ledger": self.ledger,
         }
         await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint_dir, state)
         self.offsets = offsets
