@@ -1,0 +1,213 @@
+"""Faults injected for real: SIGKILL a member of each tier, restart the broker, lose a broker
+of a 3-node cluster. Each run must still train every group exactly once.
+
+The services run as separate processes over a real broker with the synthetic engine and
+trainer (the contract is about data flow, not about the model). "Exactly once" is counted
+from the learner's checkpoint ledger: the episode ids of every optimizer step the final
+model went through, not deduplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.launcher import ServiceProcesses, tail
+from shared.broker import LocalCluster
+from shared.settings import KafkaSettings, TopicSettings
+from shared.topics import ensure_topics
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+STEPS, GROUPS_PER_STEP, GROUP_SIZE = 8, 2, 4
+
+
+@dataclass
+class Run:
+    dir: Path
+    procs: ServiceProcesses
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    def wait_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(r["step"] >= step for r in self.metrics):
+            self._check(deadline, f"step {step}")
+            time.sleep(0.3)
+
+    def wait_finished(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        learner = self.procs.get("learner-0")
+        while learner.alive:
+            self._check(deadline, "the learner to finish")
+            time.sleep(0.5)
+        assert learner.popen.returncode == 0, tail(learner.log, 40)
+
+    def _check(self, deadline: float, what: str) -> None:
+        crashed = [p for p in self.procs.dead() if p.popen.returncode not in (0, -9)]
+        assert not crashed, f"{crashed[0].label} crashed:\n{tail(crashed[0].log, 40)}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {p.label}\n{tail(p.log, 15)}" for p in self.procs.procs)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+    def ledger(self) -> list[str]:
+        state = torch.load(self.dir / "checkpoint" / "checkpoint.pt", weights_only=False)
+        return [episode for step in state["ledger"] for episode in step]
+
+
+def _env(bootstrap: str, prefix: str, run_dir: Path) -> dict[str, dict[str, str]]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    base.update(
+        {
+            "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
+            "RLBUS_KAFKA__REQUEST_TIMEOUT_S": "60",
+            "RLBUS_TOPICS__PREFIX": prefix,
+            "RLBUS_TOPICS__PARTITIONS": "2",
+            "RLBUS_TOPICS__RESULT_PARTITIONS": "2",
+            "RLBUS_INSTANCE": "0",
+        }
+    )
+    return {
+        "inference": {**base, "RLBUS_ENGINE": "synthetic"},
+        "reward": base,
+        "rollout": {
+            **base,
+            "RLBUS_TOKENIZER": "synthetic",
+            "RLBUS_STEP_TIMEOUT_S": "3",
+            "RLBUS_STEP_RETRIES": "40",  # outlives any outage these tests cause
+        },
+        "learner": {
+            **base,
+            "RLBUS_TRAINER": "synthetic",
+            "RLBUS_SYNTHETIC_STEP_S": "0.3",
+            "RLBUS_MAX_STEPS": str(STEPS),
+            "RLBUS_GROUPS_PER_STEP": str(GROUPS_PER_STEP),
+            "RLBUS_GROUP_SIZE": str(GROUP_SIZE),
+            "RLBUS_CHECKPOINT_EVERY": "2",
+            "RLBUS_MAX_STALENESS": "2",
+            "RLBUS_CHECKPOINT_DIR": str(run_dir / "checkpoint"),
+            "RLBUS_WEIGHTS_DIR": str(run_dir / "weights"),
+            "RLBUS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+            "RLBUS_RUN_NAME": "run",
+        },
+    }
+
+
+@pytest.fixture
+def start_run(tmp_path: Path, unique_name) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start(bootstrap: str, replication: int = 1) -> Run:
+        prefix = unique_name("f")
+        topics = TopicSettings(
+            prefix=prefix,
+            partitions=2,
+            result_partitions=2,
+            replication=replication,
+            min_insync_replicas=min(2, replication),
+        )
+        asyncio.run(ensure_topics(KafkaSettings(bootstrap=bootstrap), topics))
+        run = Run(tmp_path, ServiceProcesses(tmp_path / "logs"))
+        envs = _env(bootstrap, prefix, tmp_path)
+        for name in ("inference", "reward", "rollout", "learner"):
+            run.procs.spawn(name, 0, envs[name])
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.procs.stop(timeout=20)
+
+
+def assert_exactly_once(run: Run, fault: str) -> None:
+    trained = run.ledger()
+    expected = {f"run/{g}/{i}" for g in range(STEPS * GROUPS_PER_STEP) for i in range(GROUP_SIZE)}
+    duplicated = [e for e, n in Counter(trained).items() if n > 1]
+    lost = sorted(expected - set(trained))
+    _report(run, fault, len(expected), len(trained), len(lost), len(duplicated))
+    assert not duplicated, f"trained more than once: {duplicated[:5]}"
+    assert not lost, f"lost: {lost[:5]}"
+    assert set(trained) == expected
+
+
+def _report(run: Run, fault: str, expected: int, trained: int, lost: int, dup: int) -> None:
+    """One line per fault for docs/reliability.md (RLBUS_FAULT_REPORT=path to collect)."""
+    last = run.metrics[-1] if run.metrics else {}
+    row = {
+        "fault": fault,
+        "episodes_expected": expected,
+        "episodes_trained": trained,
+        "lost": lost,
+        "trained_twice": dup,
+        "redelivered_copies_dropped": last.get("duplicates_dropped", 0),
+        "samples_masked": sum(int(r.get("masked") or 0) for r in run.metrics),
+    }
+    print(json.dumps(row))
+    target = os.environ.get("RLBUS_FAULT_REPORT")
+    if target:
+        with open(target, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_no_fault_baseline(kafka_bootstrap, start_run):
+    run = start_run(kafka_bootstrap)
+    run.wait_finished()
+    assert_exactly_once(run, "none")
+
+
+@pytest.mark.parametrize("member", ["rollout-0", "inference-0", "reward-0"])
+def test_sigkill_a_member_mid_run_and_restart_it(kafka_bootstrap, start_run, member):
+    run = start_run(kafka_bootstrap)
+    run.wait_step(2)
+    run.procs.kill(member)  # mid-episode / mid-batch / mid-transaction: work is in flight
+    time.sleep(1.0)
+    run.procs.restart(member)
+    run.wait_finished()
+    assert_exactly_once(run, f"SIGKILL {member} at step 2, restart")
+
+
+def test_sigkill_the_learner_between_checkpoints(kafka_bootstrap, start_run):
+    run = start_run(kafka_bootstrap)
+    run.wait_step(3)  # checkpoints at 2 and 4: step 3 is trained but not checkpointed
+    run.procs.kill("learner-0")
+    run.procs.restart("learner-0")
+    run.wait_finished()
+    assert_exactly_once(run, "SIGKILL learner-0 at step 3 (checkpoint at 2), restart")
+    steps = [r["step"] for r in run.metrics]
+    assert steps.count(3) == 2  # step 3 was trained again, from the rewound checkpoint
+
+
+def test_broker_restart_mid_run(start_run, tmp_path):
+    cluster = LocalCluster(nodes=1, data_dir=tmp_path / "broker").start()
+    try:
+        run = start_run(cluster.bootstrap)
+        run.wait_step(2)
+        cluster.stop_node(0)
+        time.sleep(3.0)
+        cluster.restart_node(0)
+        run.wait_finished()
+        assert_exactly_once(run, "stop the only broker at step 2, restart it 3 s later")
+    finally:
+        cluster.stop()
+
+
+def test_losing_one_of_three_brokers_loses_nothing(kafka_cluster3, start_run):
+    run = start_run(kafka_cluster3.bootstrap, replication=3)
+    run.wait_step(2)
+    kafka_cluster3.kill_node(2)
+    run.wait_finished()
+    assert_exactly_once(run, "SIGKILL 1 of 3 brokers at step 2 (replication 3, min ISR 2)")
