@@ -335,12 +335,17 @@ def _run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return pool.submit(lambda: asyncio.run(factory())).result()
 
 
-async def _broker_ids(bootstrap: str, wait_s: float) -> set[int]:
+async def _broker_ids(
+    bootstrap: str, wait_s: float, client_options: Mapping[str, Any] | None = None
+) -> set[int]:
     """Ids of the brokers the cluster reports as serving (KRaft lists only unfenced brokers)."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     timeout_ms = max(500, int(wait_s * 1000))
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+    # Our address and deadline win over any in client_options (e.g. a copied request timeout).
+    kwargs = {**(client_options or {}), "bootstrap_servers": bootstrap}
+    kwargs["request_timeout_ms"] = timeout_ms
+    admin = AIOKafkaAdminClient(**kwargs)
     try:
         async with asyncio.timeout(wait_s):
             await admin.start()
@@ -350,9 +355,14 @@ async def _broker_ids(bootstrap: str, wait_s: float) -> set[int]:
     return {int(broker["node_id"]) for broker in described["brokers"]}
 
 
-def describe_broker_ids(bootstrap: str, timeout: float = 5.0) -> set[int]:
-    """Broker ids that answer a metadata request at ``bootstrap``; raises on any failure."""
-    return _run_sync(lambda: _broker_ids(bootstrap, timeout))
+def describe_broker_ids(
+    bootstrap: str, timeout: float = 5.0, client_options: Mapping[str, Any] | None = None
+) -> set[int]:
+    """Broker ids that answer a metadata request at ``bootstrap``; raises on any failure.
+
+    ``client_options``: extra aiokafka client arguments, e.g. security settings (SASL_SSL).
+    """
+    return _run_sync(lambda: _broker_ids(bootstrap, timeout, client_options))
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,6 +376,10 @@ class LocalCluster:
     Node indexes ``i`` in the fault-injection methods are 0-based; node ids are ``i + 1``.
     ``data_dir`` defaults to a temporary folder that ``stop()`` deletes; a given one is kept.
     ``base_port`` P gives node i broker port P+2i and controller port P+2i+1.
+    ``format_args`` are added to ``StorageTool format`` (e.g. ``--add-scram``: in KRaft, SCRAM
+    users needed by the brokers themselves must exist before the first start);
+    ``client_options`` are the aiokafka security arguments of the readiness check, for
+    clusters whose broker listener is not PLAINTEXT (see shared/secure_broker.py).
     """
 
     def __init__(
@@ -378,6 +392,8 @@ class LocalCluster:
         version: str = KAFKA_VERSION,
         overrides: Mapping[str, str] | None = None,
         jvm_opts: Sequence[str] = (),
+        format_args: Sequence[str] = (),
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
         if nodes not in (1, 3):
             raise ValueError(f"nodes must be 1 or 3, got {nodes}")
@@ -386,6 +402,8 @@ class LocalCluster:
         self.heap_mb = heap_mb or (512 if nodes == 1 else 384)
         self.overrides = dict(overrides or {})
         self.jvm_opts = list(jvm_opts)
+        self.format_args = list(format_args)
+        self.client_options = dict(client_options or {})
         self._owns_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="rlbus-kafka-")).resolve()
         self.cluster_id = _new_cluster_id()
@@ -547,7 +565,7 @@ class LocalCluster:
         (node.home / "log4j2.properties").write_text(_LOG4J2)
         cmd = [*self._jvm(node, 256), "kafka.tools.StorageTool", "format"]
         cmd += ["--standalone"] if self.size == 1 else []
-        cmd += ["-t", self.cluster_id, "-c", str(node.config)]
+        cmd += ["-t", self.cluster_id, "-c", str(node.config), *self.format_args]
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             text=True,
@@ -574,7 +592,8 @@ class LocalCluster:
             for node in self._nodes:
                 self._check_alive(node)
             try:
-                if describe_broker_ids(self.bootstrap, timeout=2.0) >= expected:
+                ids = describe_broker_ids(self.bootstrap, 2.0, self.client_options)
+                if ids >= expected:
                     return
             except Exception as exc:  # not serving yet: any client error means "retry"
                 log.debug("broker not ready yet: %r", exc)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from shared import telemetry
 from shared.settings import ServiceSettings, UnknownSettingError
+from shared.transport import BrokerConnectError
 
 SERVICES: dict[str, tuple[str, str]] = {
     "rollout": ("services.rollout.settings:RolloutSettings", "services.rollout.service:Rollout"),
@@ -58,6 +59,8 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     service = load(SERVICES[name][1])(settings)
     try:
         summary: dict[str, Any] = asyncio.run(service.serve())
+    except BrokerConnectError as exc:
+        raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
     finally:
         telemetry.shutdown()
     return summary

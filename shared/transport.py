@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import weakref
 import zlib
@@ -33,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import CommitFailedError
+from aiokafka.errors import CommitFailedError, KafkaConnectionError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 from opentelemetry.trace import Span
@@ -54,6 +55,10 @@ AssignCallback = Callable[[list[TP]], Awaitable[None]]
 
 class BrokerTimeout(TimeoutError):
     """A broker call did not finish within ``KafkaSettings.request_timeout_s``."""
+
+
+class BrokerConnectError(ConnectionError):
+    """The first connection to the cluster failed; the message says why, if it can tell."""
 
 
 @dataclass(frozen=True)
@@ -433,10 +438,60 @@ def client_options(kafka: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
+async def explain_connect_failure(kafka: KafkaSettings) -> str:
+    """Why the first bootstrap broker refuses us.
+
+    aiokafka logs the cause of a failed bootstrap and raises only "Unable to bootstrap"; one
+    direct connection surfaces the real error (wrong password, untrusted certificate, wrong
+    protocol), which is what a user needs to fix their settings.
+    """
+    from aiokafka.conn import create_conn
+    from aiokafka.errors import SaslAuthenticationFailed, UnsupportedSaslMechanismError
+
+    host, _, port = kafka.bootstrap.split(",")[0].strip().rpartition(":")
+    opts = {k: v for k, v in client_options(kafka).items() if k != "bootstrap_servers"}
+    where = f"Kafka at {kafka.bootstrap}"
+    try:
+        conn = await asyncio.wait_for(create_conn(host, int(port), **opts), kafka.request_timeout_s)
+    except SaslAuthenticationFailed as exc:
+        return (
+            f"{where}: authentication failed for user {kafka.sasl_username!r} with "
+            f"{kafka.sasl_mechanism}; check RLBUS_KAFKA__SASL_USERNAME/SASL_PASSWORD ({exc})"
+        )
+    except UnsupportedSaslMechanismError as exc:
+        return f"{where} does not accept SASL mechanism {kafka.sasl_mechanism} ({exc})"
+    except ssl.SSLError as exc:
+        return f"TLS to {where} failed: {exc}; check RLBUS_KAFKA__SSL_CAFILE"
+    except ConnectionRefusedError:
+        return f"nothing listens at {host}:{port}; is the broker running?"
+    except (OSError, TimeoutError, Exception) as exc:
+        return (
+            f"{where} closed the connection ({type(exc).__name__}: {exc}); does its listener "
+            f"expect security_protocol={kafka.security_protocol}?"
+        )
+    conn.close()
+    return f"{where} accepted a direct connection but not the client's bootstrap"
+
+
+async def start_client(client: Any, kafka: KafkaSettings, what: str) -> None:
+    """Start an aiokafka client; on failure close it and raise a clear BrokerConnectError."""
+    try:
+        await with_timeout(client.start(), kafka.request_timeout_s, what)
+    except (KafkaConnectionError, BrokerTimeout) as exc:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_close(client), 5)
+        raise BrokerConnectError(await explain_connect_failure(kafka)) from exc
+
+
+async def _close(client: Any) -> None:
+    stop = getattr(client, "stop", None) or client.close
+    await stop()
+
+
 @contextlib.asynccontextmanager
 async def admin_client(kafka: KafkaSettings) -> AsyncIterator[Any]:
     admin = AIOKafkaAdminClient(**client_options(kafka))
-    await with_timeout(admin.start(), kafka.request_timeout_s, "admin connect")
+    await start_client(admin, kafka, "admin connect")
     try:
         yield admin
     finally:
@@ -591,7 +646,7 @@ class KafkaBus(Bus):
             max_request_size=8 * 1024 * 1024,
             linger_ms=1,
         )
-        await with_timeout(p.start(), self.kafka.request_timeout_s, "producer connect")
+        await start_client(p, self.kafka, "producer connect")
         prod = KafkaProducer(p, self.kafka.request_timeout_s)
         prod.service = self.service
         self._clients.append(prod)
@@ -621,7 +676,7 @@ class KafkaBus(Bus):
             c.assign([TopicPartition(t, p) for t, p in assign])
         else:
             c.subscribe(topics, listener=listener)
-        await with_timeout(c.start(), self.kafka.request_timeout_s, "consumer connect")
+        await start_client(c, self.kafka, "consumer connect")
         consumer = KafkaConsumer(
             c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
         )

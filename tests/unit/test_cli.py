@@ -58,3 +58,20 @@ def test_invalid_settings_fail_with_the_key_named(monkeypatch):
 
     with pytest.raises(SystemExit, match="RLBUS_NOT_A_SETTING"):
         run_service("reward")
+
+
+def test_unreachable_broker_is_a_clear_error_not_a_hang():
+    from services.reward.service import Reward
+    from services.reward.settings import RewardSettings
+    from shared.settings import KafkaSettings
+    from shared.transport import BrokerConnectError
+
+    settings = RewardSettings(kafka=KafkaSettings(bootstrap="127.0.0.1:1", request_timeout_s=5))
+
+    async def start():
+        await Reward(settings).run()
+
+    import asyncio
+
+    with pytest.raises(BrokerConnectError, match=r"nothing listens at 127.0.0.1:1"):
+        asyncio.run(start())

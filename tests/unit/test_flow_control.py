@@ -1,0 +1,119 @@
+"""Staleness stays within its bound, and a stalled tier stops the others from piling up work.
+
+In-memory bus, synthetic engine and trainer: these are properties of the flow control, not
+of the model or the broker.
+"""
+
+import asyncio
+import json
+
+import pytest
+
+from services.inference.service import Inference
+from services.inference.settings import InferenceSettings
+from services.learner.service import Learner
+from services.learner.settings import LearnerSettings
+from services.reward.service import Reward
+from services.reward.settings import RewardSettings
+from services.rollout.service import Rollout
+from services.rollout.settings import RolloutSettings
+from shared.settings import TopicSettings
+from shared.topics import Topics, memory_broker
+from shared.transport import MemoryBus
+
+TOPICS = TopicSettings(prefix="fc", partitions=2, result_partitions=2)
+
+
+def _learner(tmp_path, **kw) -> LearnerSettings:
+    base = {
+        "topics": TOPICS,
+        "trainer": "synthetic",
+        "synthetic_step_s": 0.0,
+        "group_size": 2,
+        "groups_per_step": 2,
+        "max_steps": 6,
+        "max_staleness": 1,
+        "checkpoint_dir": tmp_path / "ckpt",
+        "metrics_file": tmp_path / "metrics.jsonl",
+        "checkpoint_every": 100,
+    }
+    return LearnerSettings(**{**base, **kw})
+
+
+def _rollout(**kw) -> RolloutSettings:
+    return RolloutSettings(topics=TOPICS, tokenizer="synthetic", **kw)
+
+
+def _inference(**kw) -> InferenceSettings:
+    return InferenceSettings(topics=TOPICS, engine="synthetic", **kw)
+
+
+async def _run_until(learner: Learner, others: list, seconds: float | None = None) -> None:
+    tasks = [asyncio.create_task(o.run()) for o in others]
+    try:
+        if seconds is None:
+            await asyncio.wait_for(learner.run(), 60)
+        else:
+            run = asyncio.create_task(learner.run())
+            await asyncio.sleep(seconds)
+            learner.request_stop("test over")
+            await run
+    finally:
+        for o in others:
+            o.request_stop("test over")
+        await asyncio.gather(*tasks)
+
+
+@pytest.mark.slow
+async def test_slow_learner_never_sees_staleness_beyond_the_bound(tmp_path):
+    broker = memory_broker(TOPICS)
+    bus = lambda: MemoryBus(broker)  # noqa: E731
+    # the learner is the bottleneck: rollouts are instant, each step takes 0.4 s
+    learner = Learner(_learner(tmp_path, synthetic_step_s=0.4), bus())
+    others = [
+        Inference(_inference(), bus()),
+        Reward(RewardSettings(topics=TOPICS), bus()),
+        Rollout(_rollout(), bus()),
+    ]
+    await _run_until(learner, others)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    assert max(r["staleness_max"] for r in rows) == 1  # the bound is reached ...
+    assert all(r["staleness_max"] <= 1 for r in rows)  # ... and never exceeded
+    assert sum(r["masked"] for r in rows) == 0  # nothing had to be dropped for staleness
+
+
+@pytest.mark.slow
+async def test_with_inference_stopped_rollout_stops_taking_prompts(tmp_path):
+    broker = memory_broker(TOPICS)
+    bus = lambda: MemoryBus(broker)  # noqa: E731
+    settings = _learner(tmp_path, max_staleness=4, groups_per_step=2)
+    learner = Learner(settings, bus())
+    rollout = Rollout(_rollout(max_groups_in_flight=3, step_timeout_s=30), bus())
+    await _run_until(learner, [rollout, Reward(RewardSettings(topics=TOPICS), bus())], 2.0)
+
+    # the feeder admitted (max_staleness + step + 1) * groups_per_step = 10 groups, no more
+    prompts = sum(len(p) for p in broker.logs[Topics(TOPICS).prompts])
+    assert prompts == (4 + 0 + 1) * 2
+    # rollout took only as many as its bound; the rest wait in Kafka, not in memory
+    assert rollout.handled == 0
+    requests = sum(len(p) for p in broker.logs[Topics(TOPICS).steps])
+    assert requests == 3 * 2  # 3 groups in flight x 2 episodes, each waiting on turn 0
+    assert broker.groups["rollout"].committed.get((Topics(TOPICS).prompts, 0), 0) == 0
+
+
+@pytest.mark.slow
+async def test_with_the_learner_stalled_the_feeder_stops_publishing(tmp_path):
+    broker = memory_broker(TOPICS)
+    bus = lambda: MemoryBus(broker)  # noqa: E731
+    # a learner step that never finishes within the test: no step ever completes
+    learner = Learner(_learner(tmp_path, synthetic_step_s=30, max_staleness=1), bus())
+    others = [
+        Inference(_inference(), bus()),
+        Reward(RewardSettings(topics=TOPICS), bus()),
+        Rollout(_rollout(), bus()),
+    ]
+    task = asyncio.create_task(_run_until(learner, others, 2.0))
+    await task
+    prompts = sum(len(p) for p in broker.logs[Topics(TOPICS).prompts])
+    assert prompts == (1 + 0 + 1) * 2  # the credit window, then nothing
