@@ -89,7 +89,7 @@ async def test_with_inference_stopped_rollout_stops_taking_prompts(tmp_path):
     bus = lambda: MemoryBus(broker)  # noqa: E731
     settings = _learner(tmp_path, max_staleness=4, groups_per_step=2)
     learner = Learner(settings, bus())
-    rollout = Rollout(_rollout(max_groups_in_flight=3, step_timeout_s=30), bus())
+    rollout = Rollout(_rollout(max_groups_in_flight=3, step_timeout_s=30, drain_timeout_s=1), bus())
     await _run_until(learner, [rollout, Reward(RewardSettings(topics=TOPICS), bus())], 2.0)
 
     # the feeder admitted (max_staleness + step + 1) * groups_per_step = 10 groups, no more
@@ -106,8 +106,9 @@ async def test_with_inference_stopped_rollout_stops_taking_prompts(tmp_path):
 async def test_with_the_learner_stalled_the_feeder_stops_publishing(tmp_path):
     broker = memory_broker(TOPICS)
     bus = lambda: MemoryBus(broker)  # noqa: E731
-    # a learner step that never finishes within the test: no step ever completes
-    learner = Learner(_learner(tmp_path, synthetic_step_s=30, max_staleness=1), bus())
+    # a learner step that does not finish within the test: no step completes
+    settings = _learner(tmp_path, synthetic_step_s=4, max_staleness=1, drain_timeout_s=1)
+    learner = Learner(settings, bus())
     others = [
         Inference(_inference(), bus()),
         Reward(RewardSettings(topics=TOPICS), bus()),
