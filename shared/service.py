@@ -36,6 +36,7 @@ class Service(ABC):
         self.member = f"{self.name}-{settings.instance}"
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
         self.bus.service = self.member  # names this member in dead letters and spans
+        self.bus.max_message_bytes = settings.topics.max_message_bytes
         self.handled = 0
         self.counters: dict[str, float] = {}
         self._stop = asyncio.Event()

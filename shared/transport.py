@@ -57,6 +57,10 @@ class BrokerTimeout(TimeoutError):
     """A broker call did not finish within ``KafkaSettings.request_timeout_s``."""
 
 
+class MessageTooLargeError(ValueError):
+    """An encoded message is larger than the topics accept (``max_message_bytes``)."""
+
+
 class BrokerConnectError(ConnectionError):
     """The first connection to the cluster failed; the message says why, if it can tell."""
 
@@ -132,6 +136,7 @@ class Producer(ABC):
     """
 
     service: str = ""
+    max_message_bytes: int = 8 * 1024 * 1024
 
     @abstractmethod
     async def send_raw(
@@ -156,10 +161,15 @@ class Producer(ABC):
     ) -> tuple[int, int]:
         key_b = _key_bytes(key)
         hdrs = dict(headers or {})
-        with telemetry.producer_span(self.service, topic, key_b, partition, hdrs) as span:
-            placed = await self.send_raw(
-                topic, encode(message), key=key_b, partition=partition, headers=hdrs
+        value = encode(message)
+        if len(value) > self.max_message_bytes:
+            # refused here, identically for Kafka and the in-memory twin, with a clear reason
+            raise MessageTooLargeError(
+                f"{type(message).__name__} for {topic} is {len(value)} bytes; topics accept "
+                f"{self.max_message_bytes} (RLBUS_TOPICS__MAX_MESSAGE_BYTES)"
             )
+        with telemetry.producer_span(self.service, topic, key_b, partition, hdrs) as span:
+            placed = await self.send_raw(topic, value, key=key_b, partition=partition, headers=hdrs)
             span.set_attribute("messaging.destination.partition.id", str(placed[0]))
             return placed
 
@@ -298,6 +308,7 @@ class Bus(ABC):
     def __init__(self, dlq_topic: str | None, service: str) -> None:
         self.dlq_topic = dlq_topic
         self.service = service
+        self.max_message_bytes = 8 * 1024 * 1024
 
     @abstractmethod
     async def producer(self, *, transactional_id: str | None = None) -> Producer: ...
@@ -648,7 +659,7 @@ class KafkaBus(Bus):
         )
         await start_client(p, self.kafka, "producer connect")
         prod = KafkaProducer(p, self.kafka.request_timeout_s)
-        prod.service = self.service
+        prod.service, prod.max_message_bytes = self.service, self.max_message_bytes
         self._clients.append(prod)
         return prod
 
@@ -917,7 +928,7 @@ class MemoryBus(Bus):
 
     async def producer(self, *, transactional_id: str | None = None) -> Producer:
         prod = MemoryProducer(self.broker)
-        prod.service = self.service
+        prod.service, prod.max_message_bytes = self.service, self.max_message_bytes
         return prod
 
     async def consumer(

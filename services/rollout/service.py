@@ -23,7 +23,7 @@ from shared.codec import encode
 from shared.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
 from shared.service import Service
 from shared.tasks import TASKS, Env, Task
-from shared.transport import Bus, Consumer, Delivery, Producer, RawRecord
+from shared.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer, RawRecord
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,22 @@ class Rollout(Service):
         ) as span:
             t = await self._episode(task, prompt, index)
             span.set_attribute("rlbus.status", t.status)
-            await self.producer.send(self.topics.trajectories, t, key=t.group_id)
+            t = await self._publish(t)
         self.bump("episodes")
         self.bump("failed_episodes", t.status == "failed")
         telemetry.EPISODES.add(1, {"rlbus.task": t.task, "rlbus.status": t.status})
+
+    async def _publish(self, t: Trajectory) -> Trajectory:
+        """Publish; an episode too large for the topic is published as a failed stub, so
+        its group still completes (and the learner masks it)."""
+        try:
+            await self.producer.send(self.topics.trajectories, t, key=t.group_id)
+            return t
+        except MessageTooLargeError as exc:
+            log.warning("episode %s not publishable: %s", t.episode_id, exc)
+            stub = t.model_copy(update={"turns": [], "status": "failed", "error": str(exc)})
+            await self.producer.send(self.topics.trajectories, stub, key=t.group_id)
+            return stub
 
     async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
         log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
@@ -250,9 +262,7 @@ class Rollout(Service):
                     self.bump("resends")
                 await self.producer.send(self.topics.steps, request, key=request.episode_id)
                 try:
-                    result = await asyncio.wait_for(
-                        asyncio.shield(future), self.cfg.step_timeout_s
-                    )
+                    result = await asyncio.wait_for(asyncio.shield(future), self.cfg.step_timeout_s)
                     telemetry.STEP_LATENCY.record(time.perf_counter() - sent)
                     return result
                 except TimeoutError:

@@ -1,0 +1,212 @@
+"""Bad input of every kind: a clear log line, a dead letter or a masked sample, no crash,
+and nothing else lost."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+
+import msgpack
+import pytest
+
+from services.inference.service import Inference
+from services.inference.settings import InferenceSettings
+from services.reward.service import Reward
+from services.reward.settings import RewardSettings
+from services.rollout.service import Rollout
+from services.rollout.settings import RolloutSettings
+from shared.codec import encode
+from shared.messages import DeadLetter, Prompt, ScoredTrajectory, Trajectory
+from shared.settings import TopicSettings
+from shared.tasks import TASKS, GuessNumber, StepOutcome
+from shared.topics import Topics, memory_broker
+from shared.transport import MemoryBroker, MemoryBus
+from tests import factories
+
+TOPICS = TopicSettings(prefix="bad", partitions=1, result_partitions=1)
+T = Topics(TOPICS)
+
+
+class _Env:
+    tools: dict = {}
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    async def reset(self, task: dict) -> str:
+        if self.mode == "reset-raises":
+            raise RuntimeError("sandbox image missing")
+        return "guess a number from 0 to 15 :"
+
+    async def step(self, action: str) -> StepOutcome:
+        if self.mode == "step-hangs":
+            await asyncio.sleep(3600)
+        raise ValueError("tool crashed")
+
+
+class BrokenTask(GuessNumber):
+    """guess_number with a broken environment or verifier, chosen by ``mode``."""
+
+    def __init__(self, name: str, mode: str) -> None:
+        super().__init__(name=name)
+        self.mode = mode
+
+    def make_env(self):  # type: ignore[override]
+        return _Env(self.mode) if self.mode.startswith(("reset", "step")) else super().make_env()
+
+    def score(self, task: dict, actions: Sequence[str]) -> float:
+        if self.mode == "score-raises":
+            raise ZeroDivisionError("verifier bug")
+        if self.mode == "score-hangs":
+            import time
+
+            time.sleep(3)
+        if self.mode == "score-nan":
+            return math.nan
+        return super().score(task, actions)
+
+
+@pytest.fixture
+def broken_tasks(monkeypatch):
+    for mode in (
+        "reset-raises",
+        "step-hangs",
+        "step-raises",
+        "score-raises",
+        "score-hangs",
+        "score-nan",
+    ):
+        monkeypatch.setitem(TASKS, mode, BrokenTask(mode, mode))
+
+
+def _read(broker: MemoryBroker, topic: str, cls):
+    from shared.codec import decode
+
+    return [decode(r.value, cls) for part in broker.logs.get(topic, []) for r in part]
+
+
+async def _run(services, until, limit_s: float = 20.0) -> None:
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        async with asyncio.timeout(limit_s):
+            while not until():
+                for t in tasks:
+                    if t.done():
+                        t.result()  # a crashed service fails the test right here
+                await asyncio.sleep(0.05)
+    finally:
+        for s in services:
+            s.request_stop("test over")
+        await asyncio.gather(*tasks)
+
+
+def _prompt(task: str, group: str, spec: dict | None = None) -> Prompt:
+    spec = spec or GuessNumber().sample(random.Random(group))
+    return Prompt(group_id=group, task=task, spec=spec, group_size=2)
+
+
+@pytest.mark.slow
+async def test_environments_that_raise_or_hang_fail_their_episode_only(broken_tasks, caplog):
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    for task in ("reset-raises", "step-raises", "step-hangs", "guess_number"):
+        await producer.send(T.prompts, _prompt(task, f"g-{task}"))
+    rollout = Rollout(
+        RolloutSettings(topics=TOPICS, tokenizer="synthetic", env_timeout_s=0.5),
+        MemoryBus(broker),
+    )
+    inference = Inference(InferenceSettings(topics=TOPICS, engine="synthetic"), MemoryBus(broker))
+    await _run([rollout, inference], lambda: len(_read(broker, T.trajectories, Trajectory)) == 8)
+
+    by_group = {}
+    for t in _read(broker, T.trajectories, Trajectory):
+        by_group.setdefault(t.group_id, []).append(t)
+    assert {t.status for t in by_group["g-guess_number"]} == {"ok"}
+    for group, needle in (
+        ("g-reset-raises", "sandbox image missing"),
+        ("g-step-raises", "tool crashed"),
+        ("g-step-hangs", "TimeoutError"),
+    ):
+        assert [t.status for t in by_group[group]] == ["failed", "failed"], group
+        assert all(needle in (t.error or "") for t in by_group[group]), by_group[group][0].error
+    assert "episode g-reset-raises/0 failed: RuntimeError: sandbox image missing" in caplog.text
+    # every prompt was completed and committed: nothing is redelivered, nothing lost
+    assert broker.groups["rollout"].committed[(T.prompts, 0)] == 4
+
+
+@pytest.mark.slow
+async def test_verifiers_that_raise_hang_or_return_nan_mask_their_sample(broken_tasks, caplog):
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    tasks = ["score-raises", "score-hangs", "score-nan", "guess_number"]
+    for i, task in enumerate(tasks):
+        t = factories.trajectory(f"g{i}", 0).model_copy(
+            update={"task": task, "spec": GuessNumber().sample(random.Random(i))}
+        )
+        await producer.send(T.trajectories, t)
+    reward = Reward(RewardSettings(topics=TOPICS, verifier_timeout_s=0.5), MemoryBus(broker))
+    await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 4)
+
+    scored = {s.trajectory.task: s for s in _read(broker, T.scored, ScoredTrajectory)}
+    assert scored["guess_number"].valid
+    for task, needle in (
+        ("score-raises", "ZeroDivisionError: verifier bug"),
+        ("score-hangs", "TimeoutError"),
+        ("score-nan", "returned nan"),
+    ):
+        assert not scored[task].valid and needle in scored[task].error, scored[task].error
+        assert scored[task].reward == 0.0
+    assert "masked: ZeroDivisionError: verifier bug" in caplog.text
+    assert broker.groups["reward"].committed[(T.trajectories, 0)] == 4
+
+
+@pytest.mark.slow
+async def test_invalid_trajectory_and_nan_reward_become_dead_letters(caplog):
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    bad = msgpack.unpackb(encode(factories.trajectory("bad"), packed=False))
+    bad["turns"][0]["logprobs"] = [-1.0]  # 2 completion tokens, 1 logprob
+    await producer.send_raw(T.trajectories, msgpack.packb(bad))
+    await producer.send(T.trajectories, factories.trajectory("good"))
+    reward = Reward(RewardSettings(topics=TOPICS), MemoryBus(broker, dlq_topic=T.dlq))
+    await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 1)
+    (letter,) = _read(broker, T.dlq, DeadLetter)
+    assert "1 logprobs for 2 completion tokens" in letter.error
+    assert letter.source_topic == T.trajectories and letter.offset == 0
+    assert "dead letter" in caplog.text
+
+    nan = msgpack.unpackb(encode(factories.scored("nan")))
+    nan["reward"] = math.nan
+    await producer.send_raw(T.scored, msgpack.packb(nan))
+    consumer = await MemoryBus(broker, dlq_topic=T.dlq).consumer(
+        [T.scored], ScoredTrajectory, group_id="learner"
+    )
+    got = await consumer.poll(0.1)
+    assert [d.message.trajectory.group_id for d in got] == ["good"]
+    letters = _read(broker, T.dlq, DeadLetter)
+    assert "reward must be finite" in letters[-1].error
+
+
+@pytest.mark.slow
+async def test_oversized_trajectory_is_published_as_a_failed_stub():
+    topics = TopicSettings(prefix="big", partitions=1, result_partitions=1, max_message_bytes=1100)
+    t = Topics(topics)
+    broker = memory_broker(topics)
+    prompt = _prompt("guess_number", "g")
+    sampling = prompt.sampling.model_copy(update={"max_new_tokens": 64})
+    await (await MemoryBus(broker).producer()).send(
+        t.prompts, prompt.model_copy(update={"sampling": sampling})
+    )
+    rollout = Rollout(RolloutSettings(topics=topics, tokenizer="synthetic"), MemoryBus(broker))
+    # 64-token completions make the full trajectory larger than 1100 bytes
+    inference = Inference(
+        InferenceSettings(topics=topics, engine="synthetic", synthetic={"completion_tokens": 64}),
+        MemoryBus(broker),
+    )
+    await _run([rollout, inference], lambda: len(_read(broker, t.trajectories, Trajectory)) == 2)
+    for traj in _read(broker, t.trajectories, Trajectory):
+        assert traj.status == "failed" and traj.turns == []
+        assert "topics accept 1100" in traj.error
+    assert broker.groups["rollout"].committed[(t.prompts, 0)] == 1
