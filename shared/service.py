@@ -34,6 +34,7 @@ class Service(ABC):
         self.settings = settings
         self.topics = Topics(settings.topics)
         self.member = f"{self.name}-{settings.instance}"
+        self.group = getattr(settings, "group", "") or f"{settings.topics.prefix}.{self.name}"
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
         self.bus.service = self.member  # names this member in dead letters and spans
         self.bus.max_message_bytes = settings.topics.max_message_bytes

@@ -49,7 +49,7 @@ class Inference(Service):
         )
         await self._catch_up_weights()
         self.steps: Consumer[StepRequest] = await self.bus.consumer(
-            [self.topics.steps], StepRequest, group_id=self.cfg.group
+            [self.topics.steps], StepRequest, group_id=self.group
         )
         self.spawn("weights", self._watch_weights())
 

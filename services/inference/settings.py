@@ -53,5 +53,6 @@ class InferenceSettings(ServiceSettings):
     """vllm: share of GPU memory for weights and KV cache."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
     """synthetic engine latency model."""
-    group: str = "inference"
-    """Consumer group of the tier."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.inference``, so runs under different prefixes
+    on one cluster never share a group."""

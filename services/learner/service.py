@@ -73,7 +73,7 @@ class Learner(Service):
         self.scored: Consumer[ScoredTrajectory] = await self.bus.consumer(
             [self.topics.scored],
             ScoredTrajectory,
-            group_id=self.cfg.group,
+            group_id=self.group,
             read_committed=True,  # reward publishes in transactions
             on_assign=self._seek_to_checkpoint,
         )

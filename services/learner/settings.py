@@ -73,5 +73,6 @@ class LearnerSettings(ServiceSettings):
     ``synthetic_step_s`` (load tests of the pipeline without a model)."""
     synthetic_step_s: float = Field(default=0.5, ge=0)
     """Wall time of one synthetic optimizer step."""
-    group: str = "learner"
-    """Consumer group of the learner."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.learner``, so runs under different prefixes
+    on one cluster never share a group."""

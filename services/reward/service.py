@@ -36,7 +36,7 @@ class Reward(Service):
         txn_id = self.cfg.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
         self.producer: Producer = await self.bus.producer(transactional_id=txn_id)
         self.trajectories: Consumer[Trajectory] = await self.bus.consumer(
-            [self.topics.trajectories], Trajectory, group_id=self.cfg.group
+            [self.topics.trajectories], Trajectory, group_id=self.group
         )
 
     async def main(self) -> None:
@@ -59,7 +59,7 @@ class Reward(Service):
                 with telemetry.use(span):
                     await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
             if offsets:
-                await self.producer.send_offsets(offsets, self.cfg.group)
+                await self.producer.send_offsets(offsets, self.group)
         self.trajectories.tracker.committed(offsets)
         self.count_input(len(batch))
         self.bump("masked", sum(not s.valid for s in scored))

@@ -17,5 +17,6 @@ class RewardSettings(ServiceSettings):
     transactional_id: str | None = None
     """Stable id for zombie fencing; default ``reward-<instance>``. aiokafka has no KIP-447
     group-metadata fencing, so a restarted member must reuse its predecessor's id."""
-    group: str = "reward"
-    """Consumer group of the tier."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.reward``, so runs under different prefixes
+    on one cluster never share a group."""

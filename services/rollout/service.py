@@ -96,7 +96,7 @@ class Rollout(Service):
             from_end=True,  # answers to an earlier incarnation's requests are of no use
         )
         self.prompts: Consumer[Prompt] = await self.bus.consumer(
-            [self.topics.prompts], Prompt, group_id=self.cfg.group
+            [self.topics.prompts], Prompt, group_id=self.group
         )
         self.spawn("replies", self._read_replies())
         log.info("%s reads replies on partition %d", self.member, self.reply_partition)

@@ -35,5 +35,6 @@ class RolloutSettings(ServiceSettings):
     """Longest an environment's reset or step may take before the episode fails."""
     max_context_tokens: int = Field(default=4096, ge=16)
     """An episode whose context would exceed this ends (finish_reason length)."""
-    group: str = "rollout"
-    """Consumer group of the tier."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.rollout``, so runs under different prefixes
+    on one cluster never share a group."""

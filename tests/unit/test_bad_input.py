@@ -133,7 +133,7 @@ async def test_environments_that_raise_or_hang_fail_their_episode_only(broken_ta
         assert all(needle in (t.error or "") for t in by_group[group]), by_group[group][0].error
     assert "episode g-reset-raises/0 failed: RuntimeError: sandbox image missing" in caplog.text
     # every prompt was completed and committed: nothing is redelivered, nothing lost
-    assert broker.groups["rollout"].committed[(T.prompts, 0)] == 4
+    assert broker.groups["bad.rollout"].committed[(T.prompts, 0)] == 4
 
 
 @pytest.mark.slow
@@ -159,7 +159,7 @@ async def test_verifiers_that_raise_hang_or_return_nan_mask_their_sample(broken_
         assert not scored[task].valid and needle in scored[task].error, scored[task].error
         assert scored[task].reward == 0.0
     assert "masked: ZeroDivisionError: verifier bug" in caplog.text
-    assert broker.groups["reward"].committed[(T.trajectories, 0)] == 4
+    assert broker.groups["bad.reward"].committed[(T.trajectories, 0)] == 4
 
 
 @pytest.mark.slow
@@ -181,7 +181,7 @@ async def test_invalid_trajectory_and_nan_reward_become_dead_letters(caplog):
     nan["reward"] = math.nan
     await producer.send_raw(T.scored, msgpack.packb(nan))
     consumer = await MemoryBus(broker, dlq_topic=T.dlq).consumer(
-        [T.scored], ScoredTrajectory, group_id="learner"
+        [T.scored], ScoredTrajectory, group_id="bad.learner"
     )
     got = await consumer.poll(0.1)
     assert [d.message.trajectory.group_id for d in got] == ["good"]
@@ -209,4 +209,4 @@ async def test_oversized_trajectory_is_published_as_a_failed_stub():
     for traj in _read(broker, t.trajectories, Trajectory):
         assert traj.status == "failed" and traj.turns == []
         assert "topics accept 1100" in traj.error
-    assert broker.groups["rollout"].committed[(t.prompts, 0)] == 1
+    assert broker.groups["big.rollout"].committed[(t.prompts, 0)] == 1

@@ -99,7 +99,7 @@ async def test_with_inference_stopped_rollout_stops_taking_prompts(tmp_path):
     assert rollout.handled == 0
     requests = sum(len(p) for p in broker.logs[Topics(TOPICS).steps])
     assert requests == 3 * 2  # 3 groups in flight x 2 episodes, each waiting on turn 0
-    assert broker.groups["rollout"].committed.get((Topics(TOPICS).prompts, 0), 0) == 0
+    assert broker.groups["fc.rollout"].committed.get((Topics(TOPICS).prompts, 0), 0) == 0
 
 
 @pytest.mark.slow
