@@ -2,7 +2,8 @@
 
 A task's own scorer (``shared.tasks.TASKS``) recomputes the outcome from the model's actions;
 a spec may instead name a generic verifier (``{"verifier": "exact_match", "answer": "42"}``)
-to score the final action against a reference. Verifiers are plain functions
+to score the final action against a reference, or run it as a program against tests in the
+sandbox (``{"verifier": "python_tests", "tests": [{"stdin": "1 2", "expected": "3"}]}``). Verifiers are plain functions
 ``(spec, actions) -> float``; the reward service runs them in a worker thread under a timeout.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from services.reward.code_verifier import python_tests
 from shared.tasks import TASKS, exact_match, numeric_answer
 
 Verifier = Callable[[dict[str, Any], Sequence[str]], float]
@@ -26,6 +28,7 @@ def _final_answer(check: Callable[[Any, str], float]) -> Verifier:
 GENERIC: dict[str, Verifier] = {
     "exact_match": _final_answer(lambda answer, text: exact_match(str(answer), text)),
     "numeric": _final_answer(numeric_answer),
+    "python_tests": python_tests,  # model-written code, run only in the sandbox
 }
 
 
