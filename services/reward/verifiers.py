@@ -3,8 +3,9 @@
 A task's own scorer (``shared.tasks.TASKS``) recomputes the outcome from the model's actions;
 a spec may instead name a generic verifier (``{"verifier": "exact_match", "answer": "42"}``)
 to score the final action against a reference, or run it as a program against tests in the
-sandbox (``{"verifier": "python_tests", "tests": [{"stdin": "1 2", "expected": "3"}]}``). Verifiers are plain functions
-``(spec, actions) -> float``; the reward service runs them in a worker thread under a timeout.
+sandbox (``{"verifier": "python_tests", "tests": [{"stdin": "1 2", "expected": "3"}]}``).
+Verifiers are plain functions ``(spec, actions) -> float``; the reward service runs them in a
+worker thread under a timeout.
 """
 
 from __future__ import annotations
