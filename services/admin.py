@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from shared.messages import Prompt, Sampling
 from shared.settings import ServiceSettings
@@ -21,6 +21,12 @@ log = logging.getLogger(__name__)
 
 class AdminSettings(ServiceSettings):
     """Connection and topic settings of operator commands (same RLBUS_* variables)."""
+
+    @classmethod
+    def also_accepted(cls) -> list[type[BaseModel]]:
+        from shared.runner import SERVICES, settings_class
+
+        return [settings_class(name) for name in SERVICES]
 
 
 async def topics_command(action: str) -> int:

@@ -76,6 +76,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from pydantic import ValidationError
+
+    from shared.settings import UnknownSettingError
+    from shared.transport import BrokerConnectError
+
+    try:
+        return _dispatch(args)
+    except (UnknownSettingError, ValidationError) as exc:
+        raise SystemExit(f"rlbus {args.command}: invalid settings: {exc}") from None
+    except BrokerConnectError as exc:
+        raise SystemExit(f"rlbus {args.command}: cannot reach Kafka: {exc}") from None
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from shared.runner import run_service
 

@@ -128,6 +128,7 @@ class Service(ABC):
         """setup → main until stopped → drain → close. Returns the summary."""
         try:
             await self.setup()
+            log.info("%s ready", self.member)
             self.spawn("idle-watch", self._watch_idle())
             self.spawn("loop-lag", self._watch_loop_lag())
             main = asyncio.create_task(self.main(), name=f"{self.member}:main")

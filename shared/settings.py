@@ -131,11 +131,19 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long to finish in-flight work before giving it back."""
 
+    @classmethod
+    def also_accepted(cls) -> list[type[BaseModel]]:
+        """Settings classes whose RLBUS_* variables this one tolerates (operator commands
+        run in shells configured for a service)."""
+        return []
+
     def __init__(self, **values: Any) -> None:
-        unknown = unknown_env_keys(type(self))
+        unknown = set(unknown_env_keys(type(self)))
+        for other in self.also_accepted():
+            unknown &= set(unknown_env_keys(other))
         if unknown:
             raise UnknownSettingError(
-                f"{type(self).__name__} has no setting for {', '.join(unknown)}; "
+                f"{type(self).__name__} has no setting for {', '.join(sorted(unknown))}; "
                 "check the spelling (nested keys use __, e.g. RLBUS_KAFKA__BOOTSTRAP)"
             )
         super().__init__(**values)

@@ -1,0 +1,45 @@
+"""The service lifecycle: bounded runs end by themselves; a crashed task stops the service."""
+
+import asyncio
+
+from services.reward.service import Reward
+from services.reward.settings import RewardSettings
+from shared.settings import TopicSettings
+from shared.topics import Topics, memory_broker
+from shared.transport import MemoryBus
+from tests import factories
+
+TOPICS = TopicSettings(prefix="lc", partitions=1)
+
+
+async def test_until_idle_stops_a_quiet_service():
+    reward = Reward(
+        RewardSettings(topics=TOPICS, until_idle_s=0.3), MemoryBus(memory_broker(TOPICS))
+    )
+    summary = await asyncio.wait_for(reward.run(), 10)
+    assert "idle" in summary["stop_reason"]
+
+
+async def test_max_messages_stops_after_that_many():
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    for i in range(5):
+        await producer.send(Topics(TOPICS).trajectories, factories.trajectory(f"g{i}"))
+    reward = Reward(RewardSettings(topics=TOPICS, max_messages=2, batch_size=1), MemoryBus(broker))
+    summary = await asyncio.wait_for(reward.run(), 10)
+    assert summary["handled"] == 2 and "max_messages" in summary["stop_reason"]
+    # what was handled is committed; the rest stays for the next member
+    assert broker.groups["lc.reward"].committed[(Topics(TOPICS).trajectories, 0)] == 2
+
+
+async def test_a_crashed_background_task_stops_the_service_instead_of_vanishing():
+    reward = Reward(RewardSettings(topics=TOPICS), MemoryBus(memory_broker(TOPICS)))
+
+    async def boom():
+        raise RuntimeError("watcher died")
+
+    run = asyncio.create_task(reward.run())
+    await asyncio.sleep(0.2)
+    reward.spawn("boom", boom())
+    summary = await asyncio.wait_for(run, 10)
+    assert "watcher died" in summary["stop_reason"]
