@@ -9,7 +9,6 @@ Weights are swapped only between batches (``load``), never inside a generation.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import random
@@ -21,6 +20,7 @@ from typing import Any
 
 from services.inference.settings import InferenceSettings
 from shared.messages import FinishReason, Sampling
+from shared.weights import verified_weights
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +49,6 @@ class Engine(ABC):
 
     async def close(self) -> None:
         return None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def weights_file(uri: str) -> Path:
-    """The safetensors file of a weight-store entry (a folder or the file itself)."""
-    path = Path(uri.removeprefix("file://"))
-    return path / "model.safetensors" if path.is_dir() else path
-
-
-class ChecksumMismatchError(RuntimeError):
-    """The weights on disk are not the ones the WeightVersion announced."""
-
-
-def verified_weights(uri: str, checksum: str) -> Path:
-    path = weights_file(uri)
-    actual = file_sha256(path)
-    if actual != checksum:
-        raise ChecksumMismatchError(f"{path}: sha256 {actual[:12]}… != announced {checksum[:12]}…")
-    return path
 
 
 # --------------------------------------------------------------------------- hf

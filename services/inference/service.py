@@ -22,6 +22,7 @@ from shared import telemetry
 from shared.messages import Sampling, StepRequest, StepResult, WeightVersion
 from shared.service import Service
 from shared.transport import Bus, Consumer, Delivery, Producer
+from shared.weights import ChecksumMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Inference(Service):
         self.engine = engine
         self._latest: WeightVersion | None = None
         self._new_weights = asyncio.Event()
+        self._refused = -1  # newest version whose files failed verification
 
     async def setup(self) -> None:
         if self.engine is None:
@@ -79,10 +81,17 @@ class Inference(Service):
     async def _maybe_reload(self) -> None:
         assert self.engine is not None
         w = self._latest
-        if w is None or w.version <= self.engine.version:
+        if w is None or w.version <= max(self.engine.version, self._refused):
             return
         t0 = time.perf_counter()
-        await self.engine.load(w.uri, w.checksum, w.version)
+        try:
+            await self.engine.load(w.uri, w.checksum, w.version)
+        except (ChecksumMismatchError, OSError) as exc:
+            # keep serving the weights we have; a newer announcement will be tried again
+            log.error("refusing weights v%d: %s", w.version, exc)
+            self._refused = w.version
+            self.bump("refused_weights")
+            return
         self.bump("reloads")
         log.info("loaded weights v%d in %.2fs", w.version, time.perf_counter() - t0)
 

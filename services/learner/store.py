@@ -8,7 +8,6 @@ trained group ids, feeder position), written to a temporary file, fsynced and re
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -18,13 +17,7 @@ import torch
 from safetensors.torch import save_model
 from torch import nn
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from shared.weights import WEIGHTS_FILE, sha256_file
 
 
 def save_weights(model: nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
@@ -33,8 +26,8 @@ def save_weights(model: nn.Module, weights_dir: Path, version: int, keep: int) -
     tmp = weights_dir / f".v{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-    digest = sha256(tmp / "model.safetensors")
+    save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied embeddings
+    digest = sha256_file(tmp / WEIGHTS_FILE)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     _prune(weights_dir, keep)

@@ -1,0 +1,38 @@
+"""The weight store's conventions, shared by its writer (learner) and readers (engines).
+
+A published version is ``<weights_dir>/v<version>/model.safetensors``; its WeightVersion
+event carries the folder's URI and the file's sha256, which readers check before loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_file(uri: str) -> Path:
+    """The safetensors file of a weight-store entry (a folder or the file itself)."""
+    path = Path(uri.removeprefix("file://"))
+    return path / WEIGHTS_FILE if path.is_dir() else path
+
+
+class ChecksumMismatchError(RuntimeError):
+    """The weights on disk are not the ones the WeightVersion announced."""
+
+
+def verified_weights(uri: str, checksum: str) -> Path:
+    path = weights_file(uri)
+    actual = sha256_file(path)
+    if actual != checksum:
+        raise ChecksumMismatchError(f"{path}: sha256 {actual[:12]}… != announced {checksum[:12]}…")
+    return path
