@@ -153,3 +153,39 @@ async def test_status_reports_lag_per_group_and_topic(env, unique_name):
     assert second.lag[(group, topics.prompts)] == 2
     rendered = table(first, second)
     assert rendered.row_count >= len(topics.catalogue())
+
+
+async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap):
+    import os
+    import sys
+
+    bus, topics = env
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        '{"task": "guess_number", "spec": {"target": 3, "low": 0, "high": 15, "max_turns": 5}}\n'
+        '{"task": "addition", "spec": {"a": 1, "b": 2}, "group_id": "mine/1"}\n'
+    )
+    env_vars = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    env_vars.update(
+        {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "feed",
+        str(path),
+        "--group-size",
+        "4",
+        env=env_vars,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert b"published 2 prompt(s)" in out
+    records = await inspect.read_topic(bus, topics.prompts)
+    prompts = sorted(
+        (m.group_id, m.task, m.group_size) for _, m, _ in inspect.decoded(records, Prompt)
+    )
+    assert prompts == [("feed/1", "guess_number", 4), ("mine/1", "addition", 4)]
