@@ -7,12 +7,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+WINDOW_EPISODES = 512
+"""Start and end figures average this many episodes: one step's batch is too noisy."""
 
-def _window(rows: list[dict[str, Any]], key: str, n: int = 5, last: bool = True) -> float | None:
-    """Mean of ``key`` over the first or last ``n`` steps that have it."""
-    values = [r[key] for r in rows if r.get(key) is not None]
-    part = values[-n:] if last else values[:n]
-    return round(sum(part) / len(part), 4) if part else None
+
+def _window(rows: list[dict[str, Any]], key: str, last: bool = True) -> float | None:
+    """Episode-weighted mean of ``key`` over the first or last WINDOW_EPISODES episodes."""
+    part: list[tuple[float, float]] = []
+    for r in reversed(rows) if last else rows:
+        if r.get(key) is not None:
+            part.append((r[key], r.get("episodes") or 1))
+            if sum(w for _, w in part) >= WINDOW_EPISODES:
+                break
+    total = sum(w for _, w in part)
+    return round(sum(v * w for v, w in part) / total, 4) if total else None
 
 
 def _rate(rows: list[dict[str, Any]]) -> float:
@@ -64,8 +72,14 @@ class Progress:
         from rich.table import Table
 
         t = Table(title="rlbus demo: guess-the-number (0..15, 5 guesses)")
-        for col in ("step", "reward (last 5)", "success (last 5)", "staleness max",
-                    "episodes/s", "elapsed"):
+        for col in (
+            "step",
+            f"reward (last {WINDOW_EPISODES} ep.)",
+            f"success (last {WINDOW_EPISODES} ep.)",
+            "staleness max",
+            "episodes/s",
+            "elapsed",
+        ):
             t.add_column(col, justify="right")
         if rows:
             r = rows[-1]
@@ -107,6 +121,15 @@ def summarize(
     }
 
 
+def smoothed(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """Episode-weighted rolling mean over the last WINDOW_EPISODES episodes at each step."""
+    out: list[float] = []
+    for i in range(len(rows)):
+        value = _window(rows[: i + 1], key)
+        out.append(math.nan if value is None else value)
+    return out
+
+
 def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -114,19 +137,33 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
+    times = [r["time"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("success_rate", "success rate"), ("reward_mean", "mean reward")):
-        ax1.plot(steps, [_nan(r.get(key)) for r in rows], label=label)
+    ax1.plot(
+        steps,
+        [_nan(r.get("success_rate")) for r in rows],
+        color="C0",
+        alpha=0.15,
+        linewidth=0.6,
+        label="per step",
+    )
+    ax1.plot(
+        steps,
+        smoothed(rows, "success_rate"),
+        color="C0",
+        linewidth=2,
+        label=f"last {WINDOW_EPISODES} episodes",
+    )
     ax1.axhline(0.8, color="grey", linestyle=":", label="target 0.8")
     ax1.set_xlabel("optimizer step")
-    ax1.set_ylim(-0.05, 1.05)
-    ax1.legend()
-    ax1.set_title("reward by step")
-    ax2.plot([r["time"] for r in rows], [_nan(r.get("success_rate")) for r in rows])
+    ax1.set_ylabel("success rate (sampled, temperature 1)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(loc="lower right")
+    ax1.set_title("success by step")
+    ax2.plot(times, smoothed(rows, "reward_mean"), color="C1", linewidth=2)
     ax2.set_xlabel("seconds since the learner started")
-    ax2.set_ylabel("success rate")
-    ax2.set_ylim(-0.05, 1.05)
-    ax2.set_title("success by wall time")
+    ax2.set_ylabel(f"mean reward (last {WINDOW_EPISODES} episodes)")
+    ax2.set_title("reward by wall time")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
