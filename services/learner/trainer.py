@@ -149,8 +149,10 @@ class SyntheticTrainer:
 
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
         samples = [m for g in groups for m in g.ordered()]
-        stale = [float(version - m.trajectory.min_version) for m in samples]
-        valid = [m for m in samples if m.valid]
+        stale_by_id = {id(m): version - m.trajectory.min_version for m in samples}
+        # the same mask as the GRPO trainer: failed or too stale samples are not trained
+        valid = [m for m in samples if m.valid and stale_by_id[id(m)] <= self.cfg.max_staleness]
+        stale = [float(stale_by_id[id(m)]) for m in valid]
         return {
             "loss": 0.0,
             "episodes": float(len(samples)),
