@@ -1,0 +1,243 @@
+"""The decoupled arm: the four services as ``python -m services.<name>`` processes over Kafka.
+
+Each run gets a fresh topic prefix and fresh consumer-group names, so runs sharing one broker
+never see each other's records or group members. Every process is stopped when the
+:class:`Fleet` context exits, whatever happened inside it: SIGTERM (the services drain and
+commit), then SIGKILL for any that outlive the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import math
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from loadtest.metrics import ArmResult, read_rows
+from loadtest.scenario import Scenario
+from shared.settings import KafkaSettings, TopicSettings
+from shared.topics import ensure_topics
+
+READY_MARKER = {"rollout": "reads replies on partition"}
+"""A log line each service prints once its consumers are subscribed (rollout only: its
+group is the one whose rebalances would re-roll prompts)."""
+SETTLE_S = 2.0
+"""After the last rollout is subscribed: time for its consumer group to finish joining."""
+
+
+class FleetError(RuntimeError):
+    """A service process died or the run did not finish in time."""
+
+
+@dataclass
+class Proc:
+    service: str
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class Fleet:
+    """Service processes of one run; all of them stopped on exit."""
+
+    run_dir: Path
+    bootstrap: str
+    partitions: int = 8
+    result_partitions: int = 8
+    profile: bool = False
+    prefix: str = field(default_factory=lambda: f"lt-{uuid.uuid4().hex[:8]}")
+    procs: list[Proc] = field(default_factory=list)
+
+    def __enter__(self) -> Fleet:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        topics = TopicSettings(prefix=self.prefix, partitions=self.partitions,
+                               result_partitions=self.result_partitions)
+        asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap), topics))
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def common_env(self, service: str, instance: int) -> dict[str, str]:
+        """The variables every service accepts (settings reject unknown RLBUS_* keys)."""
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("RLBUS_", "OTEL_"))}  # no tracing: measure the path only
+        return {
+            **base,
+            "PYTHONUNBUFFERED": "1",
+            "RLBUS_KAFKA__BOOTSTRAP": self.bootstrap,
+            "RLBUS_TOPICS__PREFIX": self.prefix,
+            "RLBUS_TOPICS__PARTITIONS": str(self.partitions),
+            "RLBUS_TOPICS__RESULT_PARTITIONS": str(self.result_partitions),
+            "RLBUS_INSTANCE": str(instance),
+            "RLBUS_GROUP": f"{self.prefix}-{service}",
+            "RLBUS_DRAIN_TIMEOUT_S": "10",
+        }
+
+    def spawn(self, service: str, instance: int, env: dict[str, str]) -> Proc:
+        name = f"{service}-{instance}"
+        log = self.run_dir / "logs" / f"{name}.log"
+        cmd = [sys.executable, "-m", f"services.{service}"]
+        if self.profile:
+            cmd[1:1] = ["-m", "cProfile", "-o", str(self.run_dir / f"{name}.prof")]
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                cmd, env={**self.common_env(service, instance), **env}, stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C reaches the harness only; it stops them
+            )
+        proc = Proc(service, name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def check_alive(self, finished: Proc | None = None) -> None:
+        """Raise if a process has exited, unless it is ``finished`` and exited 0."""
+        for p in self.procs:
+            code = p.popen.poll()
+            if code is not None and not (code == 0 and p is finished):
+                raise FleetError(f"{p.name} exited with {code}; last lines of {p.log}:\n"
+                                 f"{p.tail()}")
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until every process with a ready marker has logged it, then a short settle."""
+        deadline = time.monotonic() + timeout_s
+        waiting = [p for p in self.procs if p.service in READY_MARKER]
+        while waiting:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise FleetError(f"not ready after {timeout_s:.0f}s: "
+                                 f"{', '.join(p.name for p in waiting)}")
+            waiting = [p for p in waiting if READY_MARKER[p.service] not in _read(p.log)]
+            time.sleep(0.2)
+        if sum(p.service == "rollout" for p in self.procs) > 1:
+            time.sleep(SETTLE_S)  # one member alone never rebalances
+
+    def wait_exit(self, proc: Proc, timeout_s: float) -> None:
+        """Until ``proc`` exits 0; any other process dying first is an error."""
+        deadline = time.monotonic() + timeout_s
+        while proc.popen.poll() is None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise FleetError(f"{proc.name} did not finish within {timeout_s:.0f}s")
+            time.sleep(0.2)
+        self.check_alive(finished=proc)
+
+    def profiles(self, top: int = 25) -> dict[str, dict[str, str]]:
+        """With ``profile``: each stopped process's top functions by own time, written next
+        to its log as ``profile-<name>.txt``; returns their paths by process name."""
+        out = {}
+        for prof in sorted(self.run_dir.glob("*.prof")):
+            text = io.StringIO()
+            pstats.Stats(str(prof), stream=text).sort_stats("tottime").print_stats(top)
+            report = self.run_dir / f"profile-{prof.stem}.txt"
+            report.write_text(text.getvalue())
+            out[prof.stem] = str(report)
+        return {"profiles": out} if out else {}
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM everyone (the learner first: it checkpoints), SIGKILL stragglers."""
+        order = sorted(self.procs, key=lambda p: p.service != "learner")
+        for p in order:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in order:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait()
+
+
+def _read(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
+
+
+# --------------------------------------------------------------------------- the four services
+
+
+def inference_env(s: Scenario) -> dict[str, str]:
+    e = s.engine
+    return {
+        "RLBUS_ENGINE": "synthetic",
+        "RLBUS_SYNTHETIC__BASE_MS": str(e.base_ms),
+        "RLBUS_SYNTHETIC__PER_TOKEN_MS": str(e.per_token_ms),
+        "RLBUS_SYNTHETIC__COMPLETION_TOKENS": str(e.completion_tokens),
+        "RLBUS_MAX_BATCH_SIZE": str(s.inference.max_batch_size),
+        "RLBUS_BATCH_WAIT_MS": str(s.inference.batch_wait_ms),
+    }
+
+
+def rollout_env(s: Scenario) -> dict[str, str]:
+    env_cap_s = float(s.env.get("max_ms", 10_000)) / 1000
+    # Stragglers keep their group in flight long after its other episodes freed their slots.
+    groups = s.rollout.max_groups_in_flight or max(
+        16, 4 * math.ceil(s.rollout.max_concurrent_episodes / s.group_size))
+    return {
+        "RLBUS_TOKENIZER": "synthetic",
+        "RLBUS_MAX_CONCURRENT_EPISODES": str(s.rollout.max_concurrent_episodes),
+        "RLBUS_MAX_GROUPS_IN_FLIGHT": str(groups),
+        "RLBUS_ENV_TIMEOUT_S": str(max(30.0, 2 * env_cap_s)),
+    }
+
+
+def learner_env(s: Scenario, run_dir: Path) -> dict[str, str]:
+    return {
+        "RLBUS_TRAINER": "synthetic",
+        "RLBUS_SYNTHETIC_STEP_S": str(s.learner_step_s),
+        "RLBUS_TASK": "synthetic",
+        "RLBUS_TASK_SPEC": json.dumps(s.env),
+        "RLBUS_GROUP_SIZE": str(s.group_size),
+        "RLBUS_GROUPS_PER_STEP": str(s.groups_per_step),
+        "RLBUS_MAX_STEPS": str(s.steps),
+        "RLBUS_MAX_STALENESS": str(s.max_staleness),
+        "RLBUS_MAX_NEW_TOKENS": str(s.max_new_tokens),
+        "RLBUS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+        "RLBUS_WEIGHTS_DIR": str(run_dir / "weights"),
+        "RLBUS_CHECKPOINT_DIR": str(run_dir / "checkpoint"),
+        "RLBUS_CHECKPOINT_EVERY": str(s.steps),
+        "RLBUS_RUN_NAME": run_dir.name,
+    }
+
+
+def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = False) -> ArmResult:
+    """The four tiers as processes; returns once the learner has taken ``s.steps`` steps."""
+    partitions = max(8, s.rollout.instances, s.inference.instances)
+    fleet = Fleet(run_dir, bootstrap, partitions, max(8, s.rollout.instances), profile)
+    with fleet:
+        started = time.monotonic()
+        for i in range(s.inference.instances):
+            fleet.spawn("inference", i, inference_env(s))
+        for i in range(s.reward_instances):
+            fleet.spawn("reward", i, {})
+        for i in range(s.rollout.instances):
+            fleet.spawn("rollout", i, rollout_env(s))
+        fleet.wait_ready()
+        learner = fleet.spawn("learner", 0, learner_env(s, run_dir))
+        fleet.wait_exit(learner, s.timeout_s)
+        wall = time.monotonic() - started
+    rows = read_rows(run_dir / "metrics.jsonl")
+    extra = {"rollout_instances": s.rollout.instances,
+             "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
+             "masked": sum(int(r.get("masked") or 0) for r in rows), **fleet.profiles()}
+    return ArmResult("decoupled", s.name, rows, wall, s.warmup_steps, s.cooldown, extra)
