@@ -75,15 +75,17 @@ class Demo:
         prefix = f"demo-{self.run_dir.name}"
         # Only the variables every service accepts: settings reject unknown RLBUS_* keys.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
-        env.update({
-            "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
-            "RLBUS_TOPICS__PREFIX": prefix,
-            "RLBUS_TOPICS__PARTITIONS": "4",
-            "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
-            "PYTHONUNBUFFERED": "1",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "HF_HUB_OFFLINE": "1",
-        })
+        env.update(
+            {
+                "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
+                "RLBUS_TOPICS__PREFIX": prefix,
+                "RLBUS_TOPICS__PARTITIONS": "4",
+                "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
+                "PYTHONUNBUFFERED": "1",
+                "TRANSFORMERS_VERBOSITY": "error",
+                "HF_HUB_OFFLINE": "1",
+            }
+        )
         self._create_topics(env)
         return env
 
@@ -92,8 +94,9 @@ class Demo:
         from shared.topics import ensure_topics
 
         kafka = KafkaSettings(bootstrap=env["RLBUS_KAFKA__BOOTSTRAP"])
-        topics = TopicSettings(prefix=env["RLBUS_TOPICS__PREFIX"], partitions=4,
-                               result_partitions=4)
+        topics = TopicSettings(
+            prefix=env["RLBUS_TOPICS__PREFIX"], partitions=4, result_partitions=4
+        )
         asyncio.run(ensure_topics(kafka, topics))
 
     def launch(self, env: dict[str, str]) -> None:
@@ -112,8 +115,7 @@ class Demo:
                 "RLBUS_RUN_NAME": self.run_dir.name,
             },
         }
-        counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts,
-                  "learner": 1}
+        counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
         for name, count in counts.items():
             for i in range(count):
                 self.procs.spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)})
@@ -161,8 +163,14 @@ def say(text: str) -> None:
 
 def demo_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    demo = Demo(run_dir, args.steps or DEFAULT_STEPS, args.minutes, args.rollouts,
-                args.inference, live=not args.no_progress and sys.stdout.isatty())
+    demo = Demo(
+        run_dir,
+        args.steps or DEFAULT_STEPS,
+        args.minutes,
+        args.rollouts,
+        args.inference,
+        live=not args.no_progress and sys.stdout.isatty(),
+    )
     reason = "interrupted (Ctrl-C)"
     try:
         env = demo.prepare()
@@ -186,9 +194,25 @@ def report(demo: Demo, reason: str) -> int:
     (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plot(rows, demo.run_dir / "reward_curve.png")
-    for key in ("steps", "wall_seconds", "success_start", "success_end", "reward_start",
-                "reward_end", "staleness_max"):
+    keys = (
+        "steps",
+        "wall_seconds",
+        "success_start",
+        "success_end",
+        "reward_start",
+        "reward_end",
+        "staleness_max",
+        "masked_total",
+    )
+    for key in keys:
         say(f"{key:>14}: {summary.get(key)}")
+    evals = summary["eval_success"]
+    if evals:
+        first, last = min(evals), max(evals)
+        say(
+            f"greedy success on the fixed eval set: {evals[first]:.3f} at step {first} -> "
+            f"{evals[last]:.3f} at step {last}"
+        )
     say(f"wrote {demo.run_dir / 'summary.json'} and reward_curve.png")
     if reason != "finished":
         for p in demo.procs.procs:

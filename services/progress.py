@@ -66,6 +66,7 @@ class Progress:
             f"step {r['step']:>4}/{self.total}  reward {_fmt(r.get('reward_mean'))}  "
             f"success {_fmt(r.get('success_rate'))}  staleness<={r.get('staleness_max')}  "
             f"loss {_fmt(r.get('loss'))}  t={r['time']:.0f}s"
+            + (f"  eval@{r['eval_at_step']} {r['eval_success']:.3f}" if "eval_at_step" in r else "")
         )
 
     def _table(self, rows: list[dict[str, Any]]) -> Any:
@@ -115,10 +116,16 @@ def summarize(
         "reward_start": _window(rows, "reward_mean", last=False),
         "reward_end": _window(rows, "reward_mean"),
         "staleness_max": max((int(r.get("staleness_max") or 0) for r in rows), default=0),
+        "eval_success": evaluations(rows),
         "masked_total": sum(int(r.get("masked") or 0) for r in rows),
         "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
         "recipe": recipe,
     }
+
+
+def evaluations(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Greedy success on the fixed evaluation set, by the step it was taken at."""
+    return {int(r["eval_at_step"]): r["eval_success"] for r in rows if "eval_at_step" in r}
 
 
 def smoothed(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -145,18 +152,29 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
         color="C0",
         alpha=0.15,
         linewidth=0.6,
-        label="per step",
+        label="sampled, per step",
     )
     ax1.plot(
         steps,
         smoothed(rows, "success_rate"),
         color="C0",
         linewidth=2,
-        label=f"last {WINDOW_EPISODES} episodes",
+        label=f"sampled, last {WINDOW_EPISODES} episodes",
     )
+    evals = evaluations(rows)
+    if evals:
+        ax1.plot(
+            list(evals),
+            list(evals.values()),
+            "o-",
+            color="C2",
+            linewidth=1.5,
+            markersize=4,
+            label="greedy, fixed eval set",
+        )
     ax1.axhline(0.8, color="grey", linestyle=":", label="target 0.8")
     ax1.set_xlabel("optimizer step")
-    ax1.set_ylabel("success rate (sampled, temperature 1)")
+    ax1.set_ylabel("success rate")
     ax1.set_ylim(-0.02, 1.02)
     ax1.legend(loc="lower right")
     ax1.set_title("success by step")

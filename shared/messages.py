@@ -103,6 +103,8 @@ class Prompt(Message):
     min_version: int = Field(default=0, ge=0)
     """Oldest policy version allowed to sample this group (the learner's version when it
     admitted the group); inference waits for these weights rather than serve staler ones."""
+    purpose: Literal["train", "eval"] = "train"
+    """eval: measured by the learner, never trained on."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -208,6 +210,7 @@ class Trajectory(Message):
     turns: list[Turn]
     status: Literal["ok", "failed"] = "ok"
     error: str | None = None
+    purpose: Literal["train", "eval"] = "train"
     started_at: float = 0.0
     finished_at: float = Field(default_factory=time.time)
 

@@ -59,6 +59,9 @@ class Learner(Service):
         self._t0 = time.monotonic()
         self._episodes_trained = 0
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
+        self._evals: dict[int, list[ScoredTrajectory]] = {}  # eval round (step) -> results
+        self._last_eval: dict[str, float] = {}
+        self._eval_published: set[int] = set()
 
     # -- setup and restore
 
@@ -126,10 +129,11 @@ class Learner(Service):
         sampling = Sampling(
             temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens
         )
-        while not self.stopping and self.next_index < total:
+        while not self.stopping:  # after the last training prompt, evaluations still run
             room = credit(
                 self.next_index, self.step, self.cfg.max_staleness, self.cfg.groups_per_step
             )
+            await self._maybe_publish_eval(task)
             for _ in range(min(room, total - self.next_index)):
                 i = self.next_index
                 spec = {
@@ -149,6 +153,66 @@ class Learner(Service):
             self._progress.clear()
             await self._wait_progress()
 
+    async def _final_eval(self, timeout_s: float = 120.0) -> None:
+        """Evaluate the final weights before stopping (the loop above no longer runs)."""
+        if not self.cfg.eval_every or not self.cfg.feed:
+            return
+        await self._maybe_publish_eval(TASKS[self.cfg.task], force=True)
+        deadline = time.monotonic() + timeout_s
+        while self._last_eval.get("eval_at_step") != self.step:
+            if time.monotonic() > deadline:
+                log.warning("final evaluation incomplete after %.0fs", timeout_s)
+                return
+            for d in await self.scored.poll(0.5):
+                if d.message.trajectory.purpose == "eval":
+                    self._take_eval(d.message)
+
+    async def _maybe_publish_eval(self, task: Any, force: bool = False) -> None:
+        """The same greedy evaluation set at steps 0, eval_every, 2 x eval_every, ..."""
+        every = self.cfg.eval_every
+        due = every and (force or self.step % every == 0)
+        if not due or self.step in self._eval_published:
+            return
+        self._eval_published.add(self.step)
+        greedy = Sampling(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
+        for k in range(self.cfg.eval_episodes):
+            spec = {**task.sample(random.Random(f"eval/{k}")), **self.cfg.task_spec}
+            prompt = Prompt(
+                group_id=f"{self.cfg.run_name}/eval{self.step}/{k}",
+                task=task.name,
+                spec=spec,
+                group_size=1,
+                sampling=greedy,
+                min_version=self.version,
+                purpose="eval",
+            )
+            await self.producer.send(self.topics.prompts, prompt, key=prompt.group_id)
+
+    def _take_eval(self, scored: ScoredTrajectory) -> None:
+        t = scored.trajectory
+        round_ = int(t.group_id.rsplit("/", 2)[-2].removeprefix("eval"))
+        results = self._evals.setdefault(round_, [])
+        results.append(scored)
+        if len(results) < self.cfg.eval_episodes:
+            return
+        task = TASKS.get(t.task)
+        wins = [task is not None and task.success(r.trajectory.spec, _actions(r)) for r in results]
+        self._last_eval = {
+            "eval_at_step": round_,
+            "eval_success": sum(wins) / len(wins),
+            "eval_reward": sum(r.reward for r in results) / len(results),
+        }
+        log.info("eval at step %d: success %.3f", round_, self._last_eval["eval_success"])
+        del self._evals[round_]
+        if self.cfg.metrics_file is not None:  # a row of its own: no training figures in it
+            row = {
+                "step": self.step,
+                "time": round(time.monotonic() - self._t0, 3),
+                "episodes_trained": self._episodes_trained,
+                **self._last_eval,
+            }
+            _append_json(self.cfg.metrics_file, row)
+
     async def _wait_progress(self) -> None:
         waiter = asyncio.create_task(self._progress.wait())
         await asyncio.wait({waiter}, timeout=1.0)
@@ -160,8 +224,12 @@ class Learner(Service):
         while not self.stopping:
             for d in await self.scored.poll(0.5):
                 with d.processing():
-                    for done in self.assembler.add(d):
-                        self.scored.ack(done)
+                    if d.message.trajectory.purpose == "eval":
+                        self._take_eval(d.message)
+                        self.scored.ack(d)
+                    else:
+                        for done in self.assembler.add(d):
+                            self.scored.ack(done)
                 self.count_input()
             while len(self.assembler.ready) >= self.cfg.groups_per_step and not self.stopping:
                 await self._train_step()
@@ -188,6 +256,7 @@ class Learner(Service):
             await self._checkpoint()
         self._progress.set()
         if self.step >= self.cfg.max_steps:
+            await self._final_eval()
             self.request_stop(f"reached max_steps={self.cfg.max_steps}")
 
     def _record_staleness(self, groups: list[Any]) -> None:
@@ -260,6 +329,10 @@ class Learner(Service):
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "step": self.step, "version": self.version}
+
+
+def _actions(scored: ScoredTrajectory) -> list[str]:
+    return [turn.action for turn in scored.trajectory.turns]
 
 
 def _append_json(path: Path, row: dict[str, Any]) -> None:

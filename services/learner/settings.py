@@ -62,6 +62,11 @@ class LearnerSettings(ServiceSettings):
     """Built-in task the feeder samples."""
     task_spec: dict[str, Any] = {}
     """Keys merged over every sampled task spec (e.g. a synthetic scenario's latencies)."""
+    eval_every: int = Field(default=0, ge=0)
+    """Every this many steps, roll out a fixed evaluation set greedily (0: never). Eval
+    episodes are measured, never trained on, and do not count against the credit window."""
+    eval_episodes: int = Field(default=64, ge=1)
+    """Size of the evaluation set (the same task specs every time)."""
     run_name: str = "run"
     """Prefix of group ids; deterministic ids make re-sent prompts recognisable."""
     temperature: float = Field(default=1.0, ge=0)

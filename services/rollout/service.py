@@ -200,6 +200,7 @@ class Rollout(Service):
             turns=turns,
             status=status,
             error=error,
+            purpose=prompt.purpose,
             started_at=started,
         )
 

@@ -39,3 +39,17 @@ async def test_every_group_trained_exactly_once_and_weights_reach_inference(tiny
     assert rollout.counters["episodes"] >= 16
     assert reward.handled == 16  # no duplicate trajectories in a fault-free run
     assert not broker.logs.get("mem.dlq", [[]])[0]  # nothing dead-lettered
+
+
+@pytest.mark.slow
+async def test_evaluation_episodes_are_measured_not_trained(tiny_model, tmp_path):
+    topics = TopicSettings(prefix="ev", partitions=2, result_partitions=2)
+    s = settings(tiny_model, tmp_path, {"topics": topics}, eval_every=1, eval_episodes=4)
+    out = await run_pipeline(s, bus_factory(MemoryBus, broker=memory_broker(topics)))
+    learner = out["learner"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["eval_at_step"] for r in rows if "eval_at_step" in r}
+    assert evals == {0, 1, 2}  # before training, after step 1, and the final weights
+    assert all(0.0 <= r["eval_success"] <= 1.0 for r in rows if "eval_success" in r)
+    trained = [e for step in learner.ledger for e in step]
+    assert len(trained) == 16 and not any("eval" in e for e in trained)
