@@ -62,6 +62,7 @@ class Learner(Service):
         self._evals: dict[int, list[ScoredTrajectory]] = {}  # eval round (step) -> results
         self._last_eval: dict[str, float] = {}
         self._eval_published: set[int] = set()
+        self._evaluated_upto = -1
 
     # -- setup and restore
 
@@ -170,10 +171,12 @@ class Learner(Service):
     async def _maybe_publish_eval(self, task: Any, force: bool = False) -> None:
         """The same greedy evaluation set at steps 0, eval_every, 2 x eval_every, ..."""
         every = self.cfg.eval_every
-        due = every and (force or self.step % every == 0)
+        # steps can outrun the feeder's wake-ups: due once per multiple of eval_every passed
+        due = every and (force or self.step // every > self._evaluated_upto // every)
         if not due or self.step in self._eval_published:
             return
         self._eval_published.add(self.step)
+        self._evaluated_upto = self.step
         greedy = Sampling(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
         for k in range(self.cfg.eval_episodes):
             spec = {**task.sample(random.Random(f"eval/{k}")), **self.cfg.task_spec}
