@@ -22,18 +22,21 @@ from typing import Any
 
 from services.launcher import ServiceProcesses, tail
 
-# The demo's training recipe (measured in-process first; see docs/architecture.md).
+# The demo's training recipe: small batches, many steps (searched in-process first, then
+# measured end to end: greedy success 0.00 -> 0.83 in 3,600 steps, about 5 minutes).
 RECIPE: dict[str, Any] = {
     "RLBUS_TASK": "guess_number",
     "RLBUS_GROUP_SIZE": "8",
-    "RLBUS_GROUPS_PER_STEP": "4",
+    "RLBUS_GROUPS_PER_STEP": "2",
     "RLBUS_MAX_STALENESS": "2",
-    "RLBUS_LR": "0.003",
+    "RLBUS_LR": "0.001",
     "RLBUS_MAX_NEW_TOKENS": "2",
     "RLBUS_TEMPERATURE": "1.0",
-    "RLBUS_CHECKPOINT_EVERY": "10",
+    "RLBUS_CHECKPOINT_EVERY": "200",
+    "RLBUS_EVAL_EVERY": "300",
+    "RLBUS_EVAL_EPISODES": "128",
 }
-DEFAULT_STEPS = 60
+DEFAULT_STEPS = 3600
 
 
 @dataclass

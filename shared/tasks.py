@@ -291,7 +291,11 @@ class Addition(Task):
         return {"+", "=", CORRECT, "wrong"}
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (GuessNumber(), Addition())}
+# progress_bonus 1.0: a partial reward for narrowing the interval gives a signal long before
+# the first success; it made guess_number learnable in minutes (see GuessNumber).
+TASKS: dict[str, Task] = {
+    task.name: task for task in (GuessNumber(progress_bonus=1.0), Addition())
+}
 """The built-in tasks by name (a `Prompt` names its task; the reward service looks it up)."""
 
 import shared.synthetic  # noqa: E402, F401  (registers "synthetic"; it subclasses Task above)
