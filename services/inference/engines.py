@@ -165,7 +165,7 @@ def make_engine(settings: InferenceSettings) -> Engine:
         return HFEngine(settings)
     if settings.engine == "synthetic":
         return SyntheticEngine(settings)
-    from services.inference.vllm_engine import VLLMEngine
-
-    engine: Engine = VLLMEngine(settings)
-    return engine
+    raise NotImplementedError(
+        "the vllm engine is not implemented yet; use RLBUS_ENGINE=hf (RLBUS_DEVICE=cuda:0, "
+        "RLBUS_DTYPE=bfloat16 on a GPU)"
+    )

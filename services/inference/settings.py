@@ -29,7 +29,8 @@ class InferenceSettings(ServiceSettings):
     """One inference replica: a consumer of steps that answers with completions."""
 
     engine: Literal["hf", "synthetic", "vllm"] = "hf"
-    """hf: transformers + torch (CPU or GPU); vllm: AsyncLLM on a GPU; synthetic: latency only."""
+    """hf: transformers + torch (CPU or GPU); synthetic: latency only; vllm: reserved for
+    vLLM's async engine (not implemented yet: refused at start with that message)."""
     model_path: Path | None = None
     """Folder of a Hugging Face causal LM (config, safetensors, tokenizer); not for synthetic."""
     model_name: str = "policy"
