@@ -175,18 +175,20 @@ class Learner(Service):
         due = every and (force or self.step // every > self._evaluated_upto // every)
         if not due or self.step in self._eval_published:
             return
-        self._eval_published.add(self.step)
-        self._evaluated_upto = self.step
+        # the round is fixed before the first await: training goes on while the set is sent
+        round_, version = self.step, self.version
+        self._eval_published.add(round_)
+        self._evaluated_upto = round_
         greedy = Sampling(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
         for k in range(self.cfg.eval_episodes):
             spec = {**task.sample(random.Random(f"eval/{k}")), **self.cfg.task_spec}
             prompt = Prompt(
-                group_id=f"{self.cfg.run_name}/eval{self.step}/{k}",
+                group_id=f"{self.cfg.run_name}/eval{round_}/{k}",
                 task=task.name,
                 spec=spec,
                 group_size=1,
                 sampling=greedy,
-                min_version=self.version,
+                min_version=version,
                 purpose="eval",
             )
             await self.producer.send(self.topics.prompts, prompt, key=prompt.group_id)
