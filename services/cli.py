@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="train a tiny model on guess-the-number, end to end")
-    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3600)")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 4800)")
     demo.add_argument("--minutes", type=float, default=10.0, help="wall-time budget")
     demo.add_argument("--run-dir", default=None, help="output folder (default runs/<time>)")
     demo.add_argument("--rollouts", type=int, default=1, help="rollout processes")
