@@ -22,6 +22,7 @@ from shared.settings import KafkaSettings, TopicSettings
 from shared.topics import Topics, ensure_topics
 from shared.transport import KafkaBus
 from tests import factories
+from tests.polling import poll_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -49,15 +50,6 @@ async def topics(secure: SecureCluster, unique_name: Callable[..., str]) -> Topi
     settings = TopicSettings(prefix=unique_name("sec"), partitions=1, result_partitions=1)
     assert await ensure_topics(kafka_settings(secure), settings)  # created over SASL_SSL
     return settings
-
-
-async def poll_until(consumer: Any, n: int, rounds: int = 40) -> list[Any]:
-    got: list[Any] = []
-    for _ in range(rounds):
-        got += await consumer.poll(0.5)
-        if len(got) >= n:
-            return got
-    raise AssertionError(f"only {len(got)} of {n} records arrived")
 
 
 # ------------------------------------------------------------------------------ works when right

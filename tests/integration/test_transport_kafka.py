@@ -11,6 +11,7 @@ from shared.settings import KafkaSettings, TopicSettings
 from shared.topics import TopicMismatchError, Topics, ensure_topics
 from shared.transport import KafkaBus, admin_client
 from tests import factories
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.kafka
 
@@ -36,20 +37,11 @@ async def test_every_message_type_round_trips_through_kafka(kafka, topics, uniqu
         prod = await bus.producer()
         await prod.send(topic, msg, key="k", headers={"h": b"v"})
         cons = await bus.consumer([topic], type(msg), group_id=unique_name("g"))
-        got = await _poll_until(cons, 1)
+        got = await poll_until(cons, 1)
         assert got[0].message == msg
         assert got[0].key == b"k" and got[0].headers["h"] == b"v"
     finally:
         await bus.close()
-
-
-async def _poll_until(cons, n: int, rounds: int = 30):
-    got = []
-    for _ in range(rounds):
-        got += await cons.poll(0.5)
-        if len(got) >= n:
-            return got
-    raise AssertionError(f"only {len(got)} of {n} records arrived")
 
 
 async def test_garbage_and_unknown_version_go_to_dlq_and_consumer_carries_on(
@@ -65,13 +57,13 @@ async def test_garbage_and_unknown_version_go_to_dlq_and_consumer_carries_on(
         await prod.send_raw(topics.prompts, msgpack.packb(future), partition=0)
         await prod.send(topics.prompts, factories.prompt("good"), partition=0)
         cons = await bus.consumer([topics.prompts], Prompt, group_id=group)
-        got = await _poll_until(cons, 1)
+        got = await poll_until(cons, 1)
         assert [d.message.group_id for d in got] == ["good"]
         cons.ack(got[0])
         assert await cons.commit() == {(topics.prompts, 0): 3}
 
         letters = await bus.consumer([topics.dlq], DeadLetter, group_id=unique_name("dlq"))
-        dead = await _poll_until(letters, 2)
+        dead = await poll_until(letters, 2)
         assert [d.message.offset for d in dead] == [0, 1]
         assert "not msgpack" in dead[0].message.error
         assert "schema_version" in dead[1].message.error
@@ -113,7 +105,7 @@ async def test_transaction_commits_output_and_offsets_atomically(kafka, topics, 
         prod = await bus.producer()
         await prod.send(topics.prompts, factories.prompt("in"), partition=0)
         cons = await bus.consumer([topics.prompts], Prompt, group_id=group)
-        (d,) = await _poll_until(cons, 1)
+        (d,) = await poll_until(cons, 1)
         txp = await bus.producer(transactional_id=unique_name("tx"))
         with pytest.raises(RuntimeError):
             async with txp.transaction():
@@ -125,7 +117,7 @@ async def test_transaction_commits_output_and_offsets_atomically(kafka, topics, 
         reader = await bus.consumer(
             [topics.dlq], DeadLetter, group_id=unique_name("r"), read_committed=True
         )
-        got = await _poll_until(reader, 1)
+        got = await poll_until(reader, 1)
         assert len(got) + len(await reader.poll(1.0)) == 1  # the aborted one is invisible
     finally:
         await bus.close()
