@@ -111,7 +111,6 @@ class GuessReplay:
 
     found: bool
     guesses: int  # turns played (at most max_turns; play stops at the correct guess)
-    consistent: int  # guesses inside the interval the feedback so far still allowed
     low: int  # the interval the feedback still allows after the last turn played
     high: int
 
@@ -137,18 +136,17 @@ def guess_feedback(task: TaskSpec, guess: int | None) -> str:
 
 def replay_guesses(task: TaskSpec, actions: Sequence[str]) -> GuessReplay:
     """Play `actions` against `task`; the single source of truth for env and verifier."""
-    low, high, consistent, played = task["low"], task["high"], 0, 0
+    low, high, played = task["low"], task["high"], 0
     for action in actions[: task["max_turns"]]:
         played += 1
         guess = parse_guess(action)
-        feedback = guess_feedback(task, guess)
         if guess is None or not low <= guess <= high:
-            continue
-        consistent += 1
+            continue  # invalid, or ruled out already: the answer adds nothing
+        feedback = guess_feedback(task, guess)
         if feedback == CORRECT:
-            return GuessReplay(True, played, consistent, guess, guess)
+            return GuessReplay(True, played, guess, guess)
         low, high = (guess + 1, high) if feedback == HIGHER else (low, guess - 1)
-    return GuessReplay(False, played, consistent, low, high)
+    return GuessReplay(False, played, low, high)
 
 
 class GuessNumberEnv:
@@ -162,7 +160,7 @@ class GuessNumberEnv:
 
     async def reset(self, task: TaskSpec) -> str:
         self._spec, self._actions = task, []
-        return guess_prompt(task["low"], task["high"])
+        return f"guess a number from {task['low']} to {task['high']} :"
 
     async def step(self, action: str) -> StepOutcome:
         if self._spec is None or self._done(self._spec):
@@ -172,15 +170,7 @@ class GuessNumberEnv:
         done = self._done(self._spec)
         # Sparse: the whole episode's reward arrives on its last step.
         reward = self._task.score(self._spec, self._actions) if done else 0.0
-        return StepOutcome(self._observation(feedback), reward, done,
-                           {"turn": len(self._actions), "feedback": feedback})
-
-    def _observation(self, feedback: str) -> str:
-        if not self._task.show_interval or feedback == CORRECT:
-            return feedback
-        assert self._spec is not None
-        game = replay_guesses(self._spec, self._actions)
-        return f"{feedback} : {guess_prompt(game.low, game.high)}"
+        return StepOutcome(feedback, reward, done, {"turn": len(self._actions)})
 
     def _done(self, spec: TaskSpec) -> bool:
         last = self._actions[-1] if self._actions else None
@@ -188,37 +178,27 @@ class GuessNumberEnv:
         return found or len(self._actions) >= spec["max_turns"]
 
 
-def guess_prompt(low: int, high: int) -> str:
-    return f"guess a number from {low} to {high} :"
-
-
 @dataclass
 class GuessNumber(Task):
     """Find a hidden integer in [low, high] within `max_turns` guesses.
 
-    Text format: the prompt is "guess a number from 0 to 15 :", each completion is a number,
-    each observation is "higher", "lower" or "invalid" (an unparsable or out-of-range
-    guess); with `show_interval` the observation also restates the interval the feedback
-    still allows, "higher : guess a number from 8 to 15 :", so every turn reads like a
-    fresh, narrower prompt and a policy need not infer the interval from the history.
+    Text format: the prompt is "guess a number from 0 to 15 :", each completion is one
+    number, each observation is one word: "higher", "lower", "invalid" (unparsable or out of
+    range; the turn is spent) or "correct" (the episode ends). Episodes end after a correct
+    guess or `max_turns` guesses; the final observation is never shown to the model.
 
-    Reward: 1.0 when the target is found within `max_turns`, else 0.0, plus optional
-    shaping terms (all recomputable from the actions):
-    `progress_bonus` * (fraction of the log2 search space eliminated: 1 once found) gives a
-    signal before the first success and credits each halving;
-    `consistency_bonus` * (fraction of turns whose guess lay inside the allowed interval)
-    rewards using the feedback; `speed_bonus` * (unused turns / max_turns) on success
-    prefers shorter searches.
+    Reward: 1.0 when the target is found within `max_turns`, else 0.0, plus
+    `progress_bonus` * (share of the log search space the guesses eliminated; 1 once found).
+    The bonus is recomputable from the actions like the rest, gives a signal long before the
+    first success, and credits each guess that halves the interval, so binary search is the
+    best policy under both terms. `success` ignores it.
     """
 
     name: str = "guess_number"
     low: int = 0
     high: int = 15
     max_turns: int = 5
-    show_interval: bool = False
     progress_bonus: float = 0.0
-    consistency_bonus: float = 0.0
-    speed_bonus: float = 0.0
 
     def sample(self, rng: random.Random) -> TaskSpec:
         target = rng.randint(self.low, self.high)
@@ -230,11 +210,9 @@ class GuessNumber(Task):
 
     def score(self, task: TaskSpec, actions: Sequence[str]) -> float:
         game = replay_guesses(task, actions)
-        turns = task["max_turns"]
         space = task["high"] - task["low"] + 1
-        reward = 1.0 + self.speed_bonus * (turns - game.guesses) / turns if game.found else 0.0
-        reward += self.progress_bonus * (1.0 - math.log(game.remaining()) / math.log(max(space, 2)))
-        return reward + self.consistency_bonus * game.consistent / max(game.guesses, 1)
+        progress = 1.0 - math.log(game.remaining()) / math.log(max(space, 2))
+        return float(game.found) + self.progress_bonus * progress
 
     def success(self, task: TaskSpec, actions: Sequence[str]) -> bool:
         return replay_guesses(task, actions).found

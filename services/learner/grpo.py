@@ -72,7 +72,8 @@ def policy_loss(
     """The clipped surrogate loss (scalar) and stats: clip_frac, mean_ratio, approx_kl.
 
     logprobs, behaviour_logprobs, mask: (B, T), aligned per predicted token; mask is 1.0 on
-    completion tokens. advantages: (B,). max_tokens (norm="dr_grpo" only) defaults to T.
+    completion tokens. advantages: (B,) one per episode (GRPO), or (B, T) per token for
+    turn-level credit. max_tokens (norm="dr_grpo" only) defaults to T.
     """
     mask = mask.float()
     log_ratio = logprobs - behaviour_logprobs  # (B, T)
@@ -125,13 +126,31 @@ def sequence_logprobs(
     values as unpadded ones. `temperature` must match the sampler's, or the ratio against
     the engine's logprobs is off from the first step.
     """
+    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature)[0]
+
+
+def sequence_logprobs_and_entropy(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`sequence_logprobs` and the policy's entropy (B, T-1) at each position.
+
+    Entropy is the early warning of collapse: once the policy is deterministic in a state,
+    every member of a group acts alike there, advantages are 0 and learning stops.
+    """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     logits: Tensor = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     ).logits  # (B, T, V)
-    logits = logits[:, :-1].float() / temperature  # (B, T-1, V)
+    logp_all = (logits[:, :-1].float() / temperature).log_softmax(dim=-1)  # (B, T-1, V)
     targets = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
-    return logits.log_softmax(dim=-1).gather(-1, targets).squeeze(-1)  # (B, T-1)
+    logprobs = logp_all.gather(-1, targets).squeeze(-1)  # (B, T-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (B, T-1)
+    return logprobs, entropy
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` where `mask` is 1 (e.g. the entropy over completion tokens)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,20 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
+from services.learner.grpo import (
+    collate,
+    group_advantages,
+    masked_mean,
+    policy_loss,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 
 ALL = torch.ones(4, dtype=torch.bool)
 
 
-def close(actual: Tensor, expected: list[float] | float) -> None:
-    torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+def close(actual: Tensor, expected: Tensor | list[float] | float) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------- advantages
@@ -141,6 +148,16 @@ def test_norms(norm: str, max_tokens: int | None, expected: float) -> None:
     close(loss, expected)
 
 
+def test_per_token_advantages_equal_broadcast_episode_advantages() -> None:
+    # (B,) advantages are (B, T) advantages constant along T: [[1, 1, 1], [-3, -3, -3]]
+    zeros = torch.zeros(2, 3)
+    per_token = ADV[:, None].expand(2, 3)
+    close(policy_loss(zeros, zeros, per_token, MASK)[0], policy_loss(zeros, zeros, ADV, MASK)[0])
+    # turn-level credit: row 0 gets [+1, -1] on its two tokens → token sum -1 + 1 + 3 = 3 → 3/3
+    turns = torch.tensor([[1.0, -1.0, 0.0], [-3.0, 0.0, 0.0]])
+    close(policy_loss(zeros, zeros, turns, MASK)[0], 1.0)
+
+
 def test_unknown_norm_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown norm"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1),
@@ -178,6 +195,15 @@ def test_sequence_logprobs_divides_logits_by_the_temperature() -> None:
     ids = torch.tensor([[1, 1]])
     lp = sequence_logprobs(BigramModel(), ids, torch.ones_like(ids), temperature=2.0)
     close(lp, [[math.log(math.sqrt(2) / (2 + math.sqrt(2)))]])
+
+
+def test_entropy_of_the_next_token_distribution() -> None:
+    # after token 0: uniform over 3 → ln 3; after token 1: [1/4, 1/2, 1/4] → 1.5 ln 2
+    ids = torch.tensor([[0, 1, 2]])
+    _, entropy = sequence_logprobs_and_entropy(BigramModel(), ids, torch.ones_like(ids))
+    close(entropy, [[math.log(3.0), 1.5 * math.log(2.0)]])
+    # only the second position counts
+    close(masked_mean(entropy, torch.tensor([[0.0, 1.0]])), 1.5 * math.log(2.0))
 
 
 def test_collate_pads_right_and_shifts_flags_to_targets() -> None:
