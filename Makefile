@@ -25,11 +25,17 @@ java:
 	  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null; }
 
 jars: install java
-	$(BIN)/python -c "from shared.broker import resolve_jars; print('kafka jars:', resolve_jars())"
+	$(BIN)/python -c "from rlbus.services.ops.broker import resolve_jars; print('kafka jars:', resolve_jars())"
+
+# mypy cannot follow setuptools' package-dir mapping (shared/ -> rlbus, services/ ->
+# rlbus.services), so it checks a tree of links laid out as the wheel installs them.
+TYPECHECK := build/typecheck
 
 lint: install
 	$(BIN)/ruff check shared services tests loadtest
-	$(BIN)/mypy
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/rlbus
+	@ln -s $(CURDIR)/shared/* $(TYPECHECK)/rlbus/ && ln -s $(CURDIR)/services $(TYPECHECK)/rlbus/services
+	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p rlbus
 
 unit: install
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or Path("runs") / time.strftime("loadtest-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _terminate)
-    from shared.broker import bootstrap_or_start
+    from rlbus.services.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": machine(), "argv": sys.argv[1:], "out": str(out)}
     suite.say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")

@@ -3,7 +3,7 @@
 This is what synchronous verl does, in one process and without Kafka: every optimizer step
 waits for the slowest episode of its batch, and no episode runs while the learner trains.
 It shares the decoupled arm's latency models by reusing the same code — the synthetic
-environment (:class:`shared.synthetic.SyntheticTask`), the synthetic engine and tokenizer —
+environment (:class:`rlbus.synthetic.SyntheticTask`), the synthetic engine and tokenizer —
 and its resources: the same number of episodes in flight at once, the same engine batching
 (one batch loop per inference instance, the same batch size and wait) and the same step time.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 from loadtest.metrics import ArmResult
 from loadtest.scenario import Scenario
-from services.inference.engines import Engine, Generation, SyntheticEngine
-from services.inference.settings import InferenceSettings, SyntheticEngineSettings
-from services.rollout.service import SyntheticTokenizer
-from shared.messages import Sampling
-from shared.synthetic import SyntheticTask
-from shared.tasks import TaskSpec
+from rlbus.messages import Sampling
+from rlbus.services.inference.engines import Engine, Generation, SyntheticEngine
+from rlbus.services.inference.settings import InferenceSettings, SyntheticEngineSettings
+from rlbus.services.rollout.service import SyntheticTokenizer
+from rlbus.synthetic import SyntheticTask
+from rlbus.tasks import TaskSpec
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 import timeit
 
-from shared.codec import decode, encode
-from shared.messages import Trajectory, Turn
+from rlbus.codec import decode, encode
+from rlbus.messages import Trajectory, Turn
 
 
 def make_trajectory(tokens: int = 4096, turns: int = 8) -> Trajectory:

@@ -1,4 +1,4 @@
-"""The decoupled arm: the four services as ``python -m services.<name>`` processes over Kafka.
+"""The decoupled arm: the four services as ``python -m rlbus.services.<name>`` processes over Kafka.
 
 Each run gets a fresh topic prefix and fresh consumer-group names, so runs sharing one broker
 never see each other's records or group members. Every process is stopped when the
@@ -13,11 +13,7 @@ import contextlib
 import io
 import json
 import math
-import os
 import pstats
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,8 +22,9 @@ from types import TracebackType
 
 from loadtest.metrics import ArmResult, read_rows
 from loadtest.scenario import Scenario
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import ensure_topics
+from rlbus.services.ops.launcher import Proc, ServiceProcesses, child_env
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import ensure_topics
 
 READY_MARKER = {"rollout": "reads replies on partition"}
 """A log line each service prints once its consumers are subscribed (rollout only: its
@@ -41,21 +38,8 @@ class FleetError(RuntimeError):
 
 
 @dataclass
-class Proc:
-    service: str
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-
-@dataclass
 class Fleet:
-    """Service processes of one run; all of them stopped on exit."""
+    """Service processes of one run (:class:`ServiceProcesses`); all stopped on exit."""
 
     run_dir: Path
     bootstrap: str
@@ -63,7 +47,15 @@ class Fleet:
     result_partitions: int = 8
     profile: bool = False
     prefix: str = field(default_factory=lambda: f"lt-{uuid.uuid4().hex[:8]}")
-    procs: list[Proc] = field(default_factory=list)
+    processes: ServiceProcesses = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.processes = ServiceProcesses(self.run_dir / "logs",
+                                          profile_dir=self.run_dir if self.profile else None)
+
+    @property
+    def procs(self) -> list[Proc]:
+        return self.processes.procs
 
     def __enter__(self) -> Fleet:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -78,10 +70,7 @@ class Fleet:
 
     def common_env(self, service: str, instance: int) -> dict[str, str]:
         """The variables every service accepts (settings reject unknown RLBUS_* keys)."""
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("RLBUS_", "OTEL_"))}  # no tracing: measure the path only
-        return {
-            **base,
+        return child_env({
             "PYTHONUNBUFFERED": "1",
             "RLBUS_KAFKA__BOOTSTRAP": self.bootstrap,
             "RLBUS_TOPICS__PREFIX": self.prefix,
@@ -90,30 +79,18 @@ class Fleet:
             "RLBUS_INSTANCE": str(instance),
             "RLBUS_GROUP": f"{self.prefix}-{service}",
             "RLBUS_DRAIN_TIMEOUT_S": "10",
-        }
+        }, drop=("RLBUS_", "OTEL_"))  # no tracing: measure the path only
 
     def spawn(self, service: str, instance: int, env: dict[str, str]) -> Proc:
-        name = f"{service}-{instance}"
-        log = self.run_dir / "logs" / f"{name}.log"
-        cmd = [sys.executable, "-m", f"services.{service}"]
-        if self.profile:
-            cmd[1:1] = ["-m", "cProfile", "-o", str(self.run_dir / f"{name}.prof")]
-        with log.open("wb") as out:
-            popen = subprocess.Popen(
-                cmd, env={**self.common_env(service, instance), **env}, stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C reaches the harness only; it stops them
-            )
-        proc = Proc(service, name, popen, log)
-        self.procs.append(proc)
-        return proc
+        return self.processes.spawn(service, instance,
+                                    {**self.common_env(service, instance), **env})
 
     def check_alive(self, finished: Proc | None = None) -> None:
         """Raise if a process has exited, unless it is ``finished`` and exited 0."""
         for p in self.procs:
             code = p.popen.poll()
             if code is not None and not (code == 0 and p is finished):
-                raise FleetError(f"{p.name} exited with {code}; last lines of {p.log}:\n"
+                raise FleetError(f"{p.label} exited with {code}; last lines of {p.log}:\n"
                                  f"{p.tail()}")
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
@@ -124,7 +101,7 @@ class Fleet:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise FleetError(f"not ready after {timeout_s:.0f}s: "
-                                 f"{', '.join(p.name for p in waiting)}")
+                                 f"{', '.join(p.label for p in waiting)}")
             waiting = [p for p in waiting if READY_MARKER[p.service] not in _read(p.log)]
             time.sleep(0.2)
         if sum(p.service == "rollout" for p in self.procs) > 1:
@@ -136,7 +113,7 @@ class Fleet:
         while proc.popen.poll() is None:
             self.check_alive()
             if time.monotonic() > deadline:
-                raise FleetError(f"{proc.name} did not finish within {timeout_s:.0f}s")
+                raise FleetError(f"{proc.label} did not finish within {timeout_s:.0f}s")
             time.sleep(0.2)
         self.check_alive(finished=proc)
 
@@ -154,17 +131,7 @@ class Fleet:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM everyone (the learner first: it checkpoints), SIGKILL stragglers."""
-        order = sorted(self.procs, key=lambda p: p.service != "learner")
-        for p in order:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in order:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            if p.popen.poll() is None:
-                p.popen.kill()
-                p.popen.wait()
+        self.processes.stop(first="learner", timeout=grace_s)
 
 
 def _read(path: Path) -> str:

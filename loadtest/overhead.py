@@ -23,11 +23,11 @@ from typing import Any
 
 from loadtest.fleet import Fleet, FleetError, Proc, inference_env, rollout_env
 from loadtest.scenario import Scenario
-from shared.messages import Prompt, Sampling, StepRequest, StepResult
-from shared.settings import KafkaSettings, TopicSettings
-from shared.synthetic import SyntheticTask
-from shared.topics import Topics
-from shared.transport import Consumer, KafkaBus, Producer
+from rlbus.messages import Prompt, Sampling, StepRequest, StepResult
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.synthetic import SyntheticTask
+from rlbus.topics import Topics
+from rlbus.transport import Consumer, KafkaBus, Producer
 
 TRIP_TIMEOUT_S = 60.0
 """The first trips wait for the inference process to join its group; later ones are fast."""
@@ -115,7 +115,7 @@ def sustained_rate(kafka: KafkaSettings, topics: Topics, fleet: Fleet, procs: li
     time.sleep(window_s)
     steps1, cpu1, t1 = _sample(kafka, topics, fleet.partitions, procs)
     fleet.check_alive()
-    names = [p.name for p in procs] + ["machine"]  # machine: every process, the broker too
+    names = [p.label for p in procs] + ["machine"]  # machine: every process, the broker too
     cpu = {n: (c1 - c0) / (t1 - t0) for n, c0, c1 in zip(names, cpu0, cpu1, strict=True)}
     rate = (steps1 - steps0) / (t1 - t0)
     per_step = {n: 1000 * c / rate for n, c in cpu.items()} if rate else {}

@@ -1,7 +1,7 @@
 """Scenario files (``loadtest/scenarios/*.yaml``) and the ideal bound they imply.
 
 A scenario fixes everything both arms of the comparison share: the batch shape, the
-environment's latency model (a :mod:`shared.synthetic` task spec), the engine's latency
+environment's latency model (a :mod:`rlbus.synthetic` task spec), the engine's latency
 model, the learner's step time, the episode concurrency and the processes per tier. The
 ideal bound is what the slowest tier could sustain if every other cost were zero:
 
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.synthetic import (
+from rlbus.synthetic import (
     SyntheticTask,
     episode_plan,
     full_spec,
@@ -30,7 +30,7 @@ from shared.synthetic import (
     mean_turns,
     step_quantile_ms,
 )
-from shared.tasks import TaskSpec
+from rlbus.tasks import TaskSpec
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 
@@ -145,7 +145,7 @@ class Scenario(_Section):
         """The bounds a report prints next to the measurements.
 
         ``ideal_samples_per_s`` uses the episodes this run plays (deterministic plans, see
-        :func:`shared.synthetic.episode_plan`); ``expected_ideal_samples_per_s`` the latency
+        :func:`rlbus.synthetic.episode_plan`); ``expected_ideal_samples_per_s`` the latency
         distribution's means. They differ by the luck of a finite sample of a long tail.
         """
         spec = full_spec(self.env)

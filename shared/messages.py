@@ -6,7 +6,7 @@ know. A breaking change is a new message type on a new topic, never a reused nam
 ``schema_version`` is checked on decode: a version this code does not speak is a dead letter.
 
 Token ids and logprobs are ``list[int]`` / ``list[float]`` in Python and travel as packed
-little-endian int32 / float32 bytes (see :mod:`shared.codec` for the measurement behind that).
+little-endian int32 / float32 bytes (see :mod:`rlbus.codec` for the measurement behind that).
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ class Prompt(Message):
     admitted the group); inference waits for these weights rather than serve staler ones."""
     purpose: Literal["train", "eval"] = "train"
     """eval: measured by the learner, never trained on."""
+    eval_round: int | None = Field(default=None, ge=0)
+    """eval: the learner step this evaluation round measures (one round, one set)."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -211,6 +213,8 @@ class Trajectory(Message):
     status: Literal["ok", "failed"] = "ok"
     error: str | None = None
     purpose: Literal["train", "eval"] = "train"
+    eval_round: int | None = Field(default=None, ge=0)
+    """Copied from the prompt: which evaluation round this episode belongs to."""
     started_at: float = 0.0
     finished_at: float = Field(default_factory=time.time)
 

@@ -14,18 +14,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared import telemetry
-from shared.settings import ServiceSettings, UnknownSettingError
-from shared.transport import BrokerConnectError
+from rlbus import telemetry
+from rlbus.settings import ServiceSettings, UnknownSettingError
+from rlbus.transport import BrokerConnectError
 
 SERVICES: dict[str, tuple[str, str]] = {
-    "rollout": ("services.rollout.settings:RolloutSettings", "services.rollout.service:Rollout"),
-    "inference": (
-        "services.inference.settings:InferenceSettings",
-        "services.inference.service:Inference",
-    ),
-    "reward": ("services.reward.settings:RewardSettings", "services.reward.service:Reward"),
-    "learner": ("services.learner.settings:LearnerSettings", "services.learner.service:Learner"),
+    name: (
+        f"rlbus.services.{name}.settings:{cls}Settings",
+        f"rlbus.services.{name}.service:{cls}",
+    )
+    for name, cls in (
+        ("rollout", "Rollout"),
+        ("inference", "Inference"),
+        ("reward", "Reward"),
+        ("learner", "Learner"),
+    )
 }
 
 

@@ -15,26 +15,30 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from shared import telemetry
-from shared.settings import ServiceSettings
-from shared.topics import Topics
-from shared.transport import Bus, KafkaBus
+from rlbus import telemetry
+from rlbus.settings import ServiceSettings
+from rlbus.topics import Topics
+from rlbus.transport import Bus, KafkaBus
 
 log = logging.getLogger(__name__)
 
 
-class Service(ABC):
-    """Base of the four services. Subclasses implement ``setup``, ``main`` and ``drain``."""
+S = TypeVar("S", bound=ServiceSettings)
+
+
+class Service(ABC, Generic[S]):
+    """Base of the four services. Subclasses implement ``setup``, ``main`` and ``drain``;
+    their settings are ``self.settings``, typed by the parameter (``Service[RewardSettings]``)."""
 
     name: ClassVar[str] = "service"
 
-    def __init__(self, settings: ServiceSettings, bus: Bus | None = None) -> None:
+    def __init__(self, settings: S, bus: Bus | None = None) -> None:
         self.settings = settings
         self.topics = Topics(settings.topics)
         self.member = f"{self.name}-{settings.instance}"
-        self.group = getattr(settings, "group", "") or f"{settings.topics.prefix}.{self.name}"
+        self.group = settings.group or f"{settings.topics.prefix}.{self.name}"
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
         self.bus.service = self.member  # names this member in dead letters and spans
         self.bus.max_message_bytes = settings.topics.max_message_bytes
@@ -96,9 +100,6 @@ class Service(ABC):
         limit = self.settings.max_messages
         if limit is not None and self.handled >= limit:
             self.request_stop(f"handled {self.handled} messages (max_messages)")
-
-    def note_activity(self) -> None:
-        self._last_input = time.monotonic()
 
     def bump(self, counter: str, n: float = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n

@@ -122,6 +122,9 @@ class ServiceSettings(BaseSettings):
     """Topic names and shapes."""
     instance: str = "0"
     """This member's name within its tier; appears in logs and transactional ids."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.<tier>``, so runs under different prefixes
+    on one cluster never share a group."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level."""
     max_messages: int | None = None

@@ -14,8 +14,8 @@ learner's ``RLBUS_TASK_SPEC``, which is merged over every sampled spec. The clos
 moments (:func:`mean_turns`, :func:`mean_step_s`) let a load test compute its ideal bound
 from the same spec the environments read.
 
-Stdlib only, like :mod:`shared.tasks`. Importing this module registers the task in
-``shared.tasks.TASKS``; ``shared.tasks`` imports it at its end, so either import order works.
+Stdlib only, like :mod:`rlbus.tasks`. Importing this module registers the task in
+``rlbus.tasks.TASKS``; ``rlbus.tasks`` imports it at its end, so either import order works.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from statistics import NormalDist
 from typing import Any
 
-from shared.tasks import TASKS, Env, StepOutcome, Task, TaskSpec
+from rlbus.tasks import TASKS, Env, StepOutcome, Task, TaskSpec
 
 MAX_TURNS = 32
 """Upper bound on any episode's turns: the rollout loop runs at most ``Task.max_turns``."""

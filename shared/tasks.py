@@ -276,4 +276,4 @@ TASKS: dict[str, Task] = {
 }
 """The built-in tasks by name (a `Prompt` names its task; the reward service looks it up)."""
 
-import shared.synthetic  # noqa: E402, F401  (registers "synthetic"; it subclasses Task above)
+import rlbus.synthetic  # noqa: E402, F401  (registers "synthetic"; it subclasses Task above)

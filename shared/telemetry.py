@@ -229,7 +229,3 @@ def span(
         attributes={"rlbus.service": service, **(attributes or {})},
     ) as s:
         yield s
-
-
-def current_span() -> Span:
-    return trace.get_current_span()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from shared.messages import (
+from rlbus.messages import (
     DeadLetter,
     Prompt,
     ScoredTrajectory,
@@ -21,8 +21,8 @@ from shared.messages import (
     Trajectory,
     WeightVersion,
 )
-from shared.settings import KafkaSettings, TopicSettings
-from shared.transport import MemoryBroker, admin_client
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.transport import FRAMING_BYTES, MemoryBroker, admin_client
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Topics:
         s = self.settings
         work = {
             "retention.ms": str(s.retention_ms),
-            "max.message.bytes": str(s.max_message_bytes),
+            "max.message.bytes": str(s.max_message_bytes + FRAMING_BYTES),
             "min.insync.replicas": str(s.min_insync_replicas),
         }
         compacted = {**work, "cleanup.policy": "compact"}
@@ -69,12 +69,6 @@ class Topics:
             TopicSpec(self.weights, WeightVersion, 1, compacted),
             TopicSpec(self.dlq, DeadLetter, 1, work),
         ]
-
-    def message_type(self, topic: str) -> type[BaseModel]:
-        for spec in self.catalogue():
-            if spec.name == topic:
-                return spec.message
-        raise KeyError(f"{topic} is not in the catalogue (prefix {self.settings.prefix!r})")
 
 
 class TopicMismatchError(RuntimeError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.messages import (
+from rlbus.messages import (
     DeadLetter,
     Prompt,
     ScoredTrajectory,

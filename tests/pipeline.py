@@ -6,15 +6,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from services.inference.service import Inference
-from services.inference.settings import InferenceSettings
-from services.learner.service import Learner
-from services.learner.settings import LearnerSettings
-from services.reward.service import Reward
-from services.reward.settings import RewardSettings
-from services.rollout.service import Rollout
-from services.rollout.settings import RolloutSettings
-from shared.transport import Bus
+from rlbus.services.inference.service import Inference
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.services.learner.service import Learner
+from rlbus.services.learner.settings import LearnerSettings
+from rlbus.services.reward.service import Reward
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.rollout.service import Rollout
+from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.transport import Bus
 
 
 def settings(model: Path, run: Path, common: dict[str, Any], **learner: Any) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.inference.settings import InferenceSettings
-from shared.messages import FinishReason, Sampling
-from shared.weights import verified_weights
+from rlbus.messages import FinishReason, Sampling
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.weights import verified_weights
 
 log = logging.getLogger(__name__)
 

@@ -16,25 +16,24 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from services.inference.engines import Engine, Generation, make_engine
-from services.inference.settings import InferenceSettings
-from shared import telemetry
-from shared.messages import Sampling, StepRequest, StepResult, WeightVersion
-from shared.service import Service
-from shared.transport import Bus, Consumer, Delivery, Producer
-from shared.weights import ChecksumMismatchError
+from rlbus import telemetry
+from rlbus.messages import Sampling, StepRequest, StepResult, WeightVersion
+from rlbus.service import Service
+from rlbus.services.inference.engines import Engine, Generation, make_engine
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.transport import Bus, Consumer, Delivery, Producer
+from rlbus.weights import ChecksumMismatchError
 
 log = logging.getLogger(__name__)
 
 
-class Inference(Service):
+class Inference(Service[InferenceSettings]):
     name = "inference"
 
     def __init__(
         self, settings: InferenceSettings, bus: Bus | None = None, engine: Engine | None = None
     ) -> None:
         super().__init__(settings, bus)
-        self.cfg = settings
         self.engine = engine
         self._latest: WeightVersion | None = None
         self._new_weights = asyncio.Event()
@@ -44,7 +43,7 @@ class Inference(Service):
         if self.engine is None:
             # Loaded on the loop thread: transformers' meta-device init is not thread-safe,
             # and nothing else runs before setup ends anyway.
-            self.engine = make_engine(self.cfg)
+            self.engine = make_engine(self.settings)
         self.producer: Producer = await self.bus.producer()
         self.weights: Consumer[WeightVersion] = await self.bus.consumer(
             [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
@@ -57,12 +56,7 @@ class Inference(Service):
 
     async def _catch_up_weights(self) -> None:
         """A (re)started replica serves the newest published weights from its first batch."""
-        (end,) = (await self.weights.end_offsets([(self.topics.weights, 0)])).values()
-        seen = 0
-        while seen < end:
-            batch = await self.weights.poll(0.5)
-            seen = max([seen, *(d.offset + 1 for d in batch)])
-            self._note_weights(batch)
+        self._note_weights(await self.weights.read_to_end((self.topics.weights, 0)))
         await self._maybe_reload()
 
     async def _watch_weights(self) -> None:
@@ -72,7 +66,7 @@ class Inference(Service):
     def _note_weights(self, batch: list[Delivery[WeightVersion]]) -> None:
         for d in batch:
             w = d.message
-            if w.model == self.cfg.model_name and (
+            if w.model == self.settings.model_name and (
                 self._latest is None or w.version > self._latest.version
             ):
                 self._latest = w
@@ -98,7 +92,7 @@ class Inference(Service):
     async def _await_version(self, needed: int) -> None:
         """A request admitted at version v must not be served by older weights: that is
         what keeps staleness within the learner's bound, whatever the topics' relative lag."""
-        deadline = time.monotonic() + self.cfg.version_wait_s
+        deadline = time.monotonic() + self.settings.version_wait_s
         while (self._latest.version if self._latest else 0) < needed:
             left = deadline - time.monotonic()
             if left <= 0 or self.stopping:
@@ -118,10 +112,10 @@ class Inference(Service):
                 await self._serve(batch)
 
     async def _next_batch(self) -> list[Delivery[StepRequest]]:
-        batch = await self.steps.poll(0.5, self.cfg.max_batch_size)
-        if batch and len(batch) < self.cfg.max_batch_size and self.cfg.batch_wait_ms > 0:
-            await asyncio.sleep(self.cfg.batch_wait_ms / 1000)
-            batch += await self.steps.poll(0.0, self.cfg.max_batch_size - len(batch))
+        batch = await self.steps.poll(0.5, self.settings.max_batch_size)
+        if batch and len(batch) < self.settings.max_batch_size and self.settings.batch_wait_ms > 0:
+            await asyncio.sleep(self.settings.batch_wait_ms / 1000)
+            batch += await self.steps.poll(0.0, self.settings.max_batch_size - len(batch))
         return batch
 
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.settings import ServiceSettings
+from rlbus.settings import ServiceSettings
 
 
 class SyntheticEngineSettings(BaseModel):
@@ -50,10 +50,5 @@ class InferenceSettings(ServiceSettings):
     with older ones (and counting it)."""
     seed: int = 0
     """Sampling seed; each replica mixes in its instance name for a stream of its own."""
-    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
-    """vllm: share of GPU memory for weights and KV cache."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
     """synthetic engine latency model."""
-    group: str = ""
-    """Consumer group; default ``<topic prefix>.inference``, so runs under different prefixes
-    on one cluster never share a group."""

@@ -1,6 +1,6 @@
-"""``python -m services.learner``: parse settings first, import torch only after."""
+"""``python -m rlbus.services.learner``: parse settings first, import torch only after."""
 
-from shared.runner import run_service
+from rlbus.runner import run_service
 
 if __name__ == "__main__":
     run_service("learner")

@@ -13,8 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import ScoredTrajectory
-from shared.transport import Delivery
+from rlbus.messages import ScoredTrajectory
+from rlbus.transport import Delivery
 
 
 @dataclass

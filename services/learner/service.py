@@ -1,4 +1,4 @@
-"""Learner: GRPO on complete groups, weight publication, and the prompt feeder.
+"""Learner: GRPO on complete groups and weight publication; hosts the prompt feeder.
 
 Delivery contract: exactly once by checkpointed offsets. The checkpoint holds the model, the
 optimizer, the version, the step, the consumer offsets below which every episode has been
@@ -8,9 +8,8 @@ learner loads it, seeks its partitions to those offsets and rewinds the model wi
 nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
 committed offsets follow the checkpoint (for lag monitoring), never lead it.
 
-Staleness is bounded by the feeder's credit window (SkyRL/AReaL pacing): a new group is
-admitted only while published < (max_staleness + step + 1) * groups_per_step. Samples older
-than ``max_staleness`` versions that still reach the learner are masked and counted.
+Staleness is bounded by the feeder's credit window (:mod:`.feeder`); samples older than
+``max_staleness`` versions that still reach the learner are masked and counted.
 """
 
 from __future__ import annotations
@@ -19,35 +18,29 @@ import asyncio
 import json
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-from services.learner.groups import GroupAssembler
-from services.learner.settings import LearnerSettings
-from services.learner.store import load_checkpoint, save_checkpoint, save_weights
-from services.learner.trainer import SyntheticTrainer, Trainer
-from shared import telemetry
-from shared.messages import Prompt, Sampling, ScoredTrajectory, WeightVersion
-from shared.service import Service
-from shared.tasks import TASKS
-from shared.transport import TP, Bus, Consumer, Producer
+from rlbus import telemetry
+from rlbus.messages import ScoredTrajectory, WeightVersion
+from rlbus.service import Service
+from rlbus.services.learner.feeder import Feeder
+from rlbus.services.learner.groups import GroupAssembler
+from rlbus.services.learner.settings import LearnerSettings
+from rlbus.services.learner.store import load_checkpoint, save_checkpoint, save_weights
+from rlbus.services.learner.trainer import SyntheticTrainer, Trainer
+from rlbus.tasks import TASKS
+from rlbus.transport import TP, Bus, Consumer, Producer
 
 log = logging.getLogger(__name__)
 
 
-def credit(published: int, step: int, max_staleness: int, groups_per_step: int) -> int:
-    """How many more groups the feeder may publish now (never negative)."""
-    return max(0, (max_staleness + step + 1) * groups_per_step - published)
-
-
-class Learner(Service):
+class Learner(Service[LearnerSettings]):
     name = "learner"
 
     def __init__(self, settings: LearnerSettings, bus: Bus | None = None) -> None:
         super().__init__(settings, bus)
-        self.cfg = settings
         if settings.feed and settings.task not in TASKS:
             raise ValueError(f"unknown task {settings.task!r}; built-in: {sorted(TASKS)}")
         self.step = 0
@@ -59,19 +52,18 @@ class Learner(Service):
         self._t0 = time.monotonic()
         self._episodes_trained = 0
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
-        self._evals: dict[int, list[ScoredTrajectory]] = {}  # eval round (step) -> results
         self._last_eval: dict[str, float] = {}
-        self._eval_published: set[int] = set()
-        self._evaluated_upto = -1
+        self.feeder: Feeder | None = None
 
     # -- setup and restore
 
     async def setup(self) -> None:
         # On the loop thread: HF loading is not thread-safe.
+        synthetic = self.settings.trainer == "synthetic"
         self.trainer: Trainer | SyntheticTrainer = (
-            SyntheticTrainer(self.cfg) if self.cfg.trainer == "synthetic" else Trainer(self.cfg)
+            SyntheticTrainer(self.settings) if synthetic else Trainer(self.settings)
         )
-        self._restore(await asyncio.to_thread(load_checkpoint, self.cfg.checkpoint_dir))
+        self._restore(await asyncio.to_thread(load_checkpoint, self.settings.checkpoint_dir))
         self.producer: Producer = await self.bus.producer()
         self.version = max(self.version, await self._published_version())
         self.scored: Consumer[ScoredTrajectory] = await self.bus.consumer(
@@ -81,8 +73,10 @@ class Learner(Service):
             read_committed=True,  # reward publishes in transactions
             on_assign=self._seek_to_checkpoint,
         )
-        if self.cfg.feed:
-            self.spawn("feeder", self._feed())
+        if self.settings.feed:
+            self.feeder = Feeder(self.settings, TASKS[self.settings.task], self.producer,
+                                 self.topics.prompts, self.next_index)
+            self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)
 
     def _restore(self, state: dict[str, Any] | None) -> None:
@@ -103,19 +97,11 @@ class Learner(Service):
         weights = await self.bus.consumer(
             [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
         )
-        (end,) = (await weights.end_offsets([(self.topics.weights, 0)])).values()
-        newest, seen = 0, 0
-        while seen < end:
-            batch = await weights.poll(0.5)
-            seen = max([seen, *(d.offset + 1 for d in batch)])
-            newest = max(
-                [
-                    newest,
-                    *(d.message.version for d in batch if d.message.model == self.cfg.model_name),
-                ]
-            )
+        announced = await weights.read_to_end((self.topics.weights, 0))
         await weights.close()
-        return newest
+        mine = [d.message.version for d in announced
+                if d.message.model == self.settings.model_name]
+        return max(mine, default=0)
 
     async def _seek_to_checkpoint(self, assigned: list[TP]) -> None:
         for tp in assigned:
@@ -124,41 +110,17 @@ class Learner(Service):
 
     # -- feeder
 
-    async def _feed(self) -> None:
-        task = TASKS[self.cfg.task]
-        total = self.cfg.max_steps * self.cfg.groups_per_step
-        sampling = Sampling(
-            temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens
-        )
+    async def _feed(self, feeder: Feeder) -> None:
         while not self.stopping:  # after the last training prompt, evaluations still run
-            room = credit(
-                self.next_index, self.step, self.cfg.max_staleness, self.cfg.groups_per_step
-            )
-            await self._maybe_publish_eval(task)
-            for _ in range(min(room, total - self.next_index)):
-                i = self.next_index
-                spec = {
-                    **task.sample(random.Random(f"{self.cfg.seed}/{i}")),
-                    **self.cfg.task_spec,
-                }
-                prompt = Prompt(
-                    group_id=f"{self.cfg.run_name}/{i}",
-                    task=task.name,
-                    spec=spec,
-                    group_size=self.cfg.group_size,
-                    sampling=sampling,
-                    min_version=self.version,
-                )
-                await self.producer.send(self.topics.prompts, prompt, key=prompt.group_id)
-                self.next_index += 1
+            await feeder.top_up(self.step, self.version)
             self._progress.clear()
             await self._wait_progress()
 
     async def _final_eval(self, timeout_s: float = 120.0) -> None:
-        """Evaluate the final weights before stopping (the loop above no longer runs)."""
-        if not self.cfg.eval_every or not self.cfg.feed:
+        """Evaluate the final weights before stopping (the feeder loop no longer runs)."""
+        if self.feeder is None or not self.settings.eval_every:
             return
-        await self._maybe_publish_eval(TASKS[self.cfg.task], force=True)
+        await self.feeder.publish_eval(self.step, self.version, force=True)  # unless sent
         deadline = time.monotonic() + timeout_s
         while self._last_eval.get("eval_at_step") != self.step:
             if time.monotonic() > deadline:
@@ -168,55 +130,19 @@ class Learner(Service):
                 if d.message.trajectory.purpose == "eval":
                     self._take_eval(d.message)
 
-    async def _maybe_publish_eval(self, task: Any, force: bool = False) -> None:
-        """The same greedy evaluation set at steps 0, eval_every, 2 x eval_every, ..."""
-        every = self.cfg.eval_every
-        # steps can outrun the feeder's wake-ups: due once per multiple of eval_every passed
-        due = every and (force or self.step // every > self._evaluated_upto // every)
-        if not due or self.step in self._eval_published:
-            return
-        # the round is fixed before the first await: training goes on while the set is sent
-        round_, version = self.step, self.version
-        self._eval_published.add(round_)
-        self._evaluated_upto = round_
-        greedy = Sampling(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
-        for k in range(self.cfg.eval_episodes):
-            spec = {**task.sample(random.Random(f"eval/{k}")), **self.cfg.task_spec}
-            prompt = Prompt(
-                group_id=f"{self.cfg.run_name}/eval{round_}/{k}",
-                task=task.name,
-                spec=spec,
-                group_size=1,
-                sampling=greedy,
-                min_version=version,
-                purpose="eval",
-            )
-            await self.producer.send(self.topics.prompts, prompt, key=prompt.group_id)
-
     def _take_eval(self, scored: ScoredTrajectory) -> None:
-        t = scored.trajectory
-        round_ = int(t.group_id.rsplit("/", 2)[-2].removeprefix("eval"))
-        results = self._evals.setdefault(round_, [])
-        results.append(scored)
-        if len(results) < self.cfg.eval_episodes:
+        figures = self.feeder.take_eval(scored) if self.feeder is not None else None
+        if figures is None:
             return
-        task = TASKS.get(t.task)
-        wins = [task is not None and task.success(r.trajectory.spec, _actions(r)) for r in results]
-        self._last_eval = {
-            "eval_at_step": round_,
-            "eval_success": sum(wins) / len(wins),
-            "eval_reward": sum(r.reward for r in results) / len(results),
-        }
-        log.info("eval at step %d: success %.3f", round_, self._last_eval["eval_success"])
-        del self._evals[round_]
-        if self.cfg.metrics_file is not None:  # a row of its own: no training figures in it
+        self._last_eval = figures
+        if self.settings.metrics_file is not None:  # a row of its own: no training figures in it
             row = {
                 "step": self.step,
                 "time": round(time.monotonic() - self._t0, 3),
                 "episodes_trained": self._episodes_trained,
-                **self._last_eval,
+                **figures,
             }
-            _append_json(self.cfg.metrics_file, row)
+            _append_json(self.settings.metrics_file, row)
 
     async def _wait_progress(self) -> None:
         waiter = asyncio.create_task(self._progress.wait())
@@ -236,11 +162,11 @@ class Learner(Service):
                         for done in self.assembler.add(d):
                             self.scored.ack(done)
                 self.count_input()
-            while len(self.assembler.ready) >= self.cfg.groups_per_step and not self.stopping:
+            while len(self.assembler.ready) >= self.settings.groups_per_step and not self.stopping:
                 await self._train_step()
 
     async def _train_step(self) -> None:
-        groups = self.assembler.take(self.cfg.groups_per_step)
+        groups = self.assembler.take(self.settings.groups_per_step)
         t0 = time.perf_counter()
         episodes = [telemetry.sender_context(d.headers) for g in groups for d in g.deliveries]
         attrs = {"rlbus.step": self.step + 1}
@@ -257,12 +183,12 @@ class Learner(Service):
         self._episodes_trained += int(stats["episodes"])
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         self._record(stats, time.perf_counter() - t0)
-        if self.step % self.cfg.checkpoint_every == 0 or self.step >= self.cfg.max_steps:
+        if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
             await self._checkpoint()
         self._progress.set()
-        if self.step >= self.cfg.max_steps:
+        if self.step >= self.settings.max_steps:
             await self._final_eval()
-            self.request_stop(f"reached max_steps={self.cfg.max_steps}")
+            self.request_stop(f"reached max_steps={self.settings.max_steps}")
 
     def _record_staleness(self, groups: list[Any]) -> None:
         for g in groups:
@@ -275,19 +201,19 @@ class Learner(Service):
             folder, digest = await asyncio.to_thread(
                 save_weights,
                 self.trainer.model,
-                self.cfg.weights_dir,
+                self.settings.weights_dir,
                 self.version,
-                self.cfg.keep_weights,
+                self.settings.keep_weights,
             )
             uri = str(folder.resolve())
         event = WeightVersion(
-            model=self.cfg.model_name,
+            model=self.settings.model_name,
             version=self.version,
             uri=uri,
             checksum=digest,
             step=self.step,
         )
-        await self.producer.send(self.topics.weights, event, key=self.cfg.model_name)
+        await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
 
     async def _checkpoint(self) -> None:
         offsets = {**self.offsets, **self.scored.tracker.committable()}
@@ -295,12 +221,12 @@ class Learner(Service):
             **self.trainer.state(),
             "step": self.step,
             "version": self.version,
-            "next_index": self.next_index,
+            "next_index": self.feeder.next_index if self.feeder else self.next_index,
             "offsets": [[list(tp), off] for tp, off in offsets.items()],
             "trained": self.assembler.trained_ids(),
             "ledger": self.ledger,
         }
-        await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint_dir, state)
+        await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, state)
         self.offsets = offsets
         await self.scored.commit()  # Kafka's offsets follow the checkpoint, never lead it
         self.bump("checkpoints")
@@ -324,20 +250,16 @@ class Learner(Service):
             int(stats["staleness_max"]),
             stats["loss"],
         )
-        if self.cfg.metrics_file is not None:
-            _append_json(self.cfg.metrics_file, row)
+        if self.settings.metrics_file is not None:
+            _append_json(self.settings.metrics_file, row)
 
     async def drain(self) -> None:
         """Checkpoint what was trained since the last checkpoint; untrained work stays."""
-        if hasattr(self, "scored") and self.step and self.step % self.cfg.checkpoint_every:
+        if hasattr(self, "scored") and self.step and self.step % self.settings.checkpoint_every:
             await self._checkpoint()
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "step": self.step, "version": self.version}
-
-
-def _actions(scored: ScoredTrajectory) -> list[str]:
-    return [turn.action for turn in scored.trajectory.turns]
 
 
 def _append_json(path: Path, row: dict[str, Any]) -> None:

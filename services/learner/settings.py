@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from shared.settings import ServiceSettings
+from rlbus.settings import ServiceSettings
 
 
 class LearnerSettings(ServiceSettings):
@@ -78,6 +78,3 @@ class LearnerSettings(ServiceSettings):
     ``synthetic_step_s`` (load tests of the pipeline without a model)."""
     synthetic_step_s: float = Field(default=0.5, ge=0)
     """Wall time of one synthetic optimizer step."""
-    group: str = ""
-    """Consumer group; default ``<topic prefix>.learner``, so runs under different prefixes
-    on one cluster never share a group."""

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_model
 from torch import nn
 
-from shared.weights import WEIGHTS_FILE, sha256_file
+from rlbus.weights import WEIGHTS_FILE, sha256_file
 
 
 def save_weights(model: nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:

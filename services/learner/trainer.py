@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from services.learner.groups import Group
-from services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
-from services.learner.settings import LearnerSettings
-from shared.messages import ScoredTrajectory, Trajectory
-from shared.tasks import TASKS
+from rlbus.messages import ScoredTrajectory, Trajectory
+from rlbus.services.learner.groups import Group
+from rlbus.services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
+from rlbus.services.learner.settings import LearnerSettings
+from rlbus.tasks import TASKS
 
 
 def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:

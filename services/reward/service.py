@@ -15,25 +15,24 @@ import logging
 import math
 from typing import Any
 
-from services.reward.settings import RewardSettings
-from services.reward.verifiers import resolve
-from shared import telemetry
-from shared.messages import ScoredTrajectory, Trajectory
-from shared.service import Service
-from shared.transport import Bus, Consumer, Delivery, Producer
+from rlbus import telemetry
+from rlbus.messages import ScoredTrajectory, Trajectory
+from rlbus.service import Service
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.reward.verifiers import resolve
+from rlbus.transport import Bus, Consumer, Delivery, Producer
 
 log = logging.getLogger(__name__)
 
 
-class Reward(Service):
+class Reward(Service[RewardSettings]):
     name = "reward"
 
     def __init__(self, settings: RewardSettings, bus: Bus | None = None) -> None:
         super().__init__(settings, bus)
-        self.cfg = settings
 
     async def setup(self) -> None:
-        txn_id = self.cfg.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
+        txn_id = self.settings.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
         self.producer: Producer = await self.bus.producer(transactional_id=txn_id)
         self.trajectories: Consumer[Trajectory] = await self.bus.consumer(
             [self.topics.trajectories], Trajectory, group_id=self.group
@@ -41,7 +40,7 @@ class Reward(Service):
 
     async def main(self) -> None:
         while not self.stopping:
-            batch = await self.trajectories.poll(0.5, self.cfg.batch_size)
+            batch = await self.trajectories.poll(0.5, self.settings.batch_size)
             offsets = self.trajectories.tracker.committable()
             if batch or offsets:  # offsets alone: dead letters to step past
                 await self._publish(batch)
@@ -81,7 +80,7 @@ class Reward(Service):
             name, verify = resolve(t.task, t.spec)
             actions = [turn.action for turn in t.turns]
             reward = await asyncio.wait_for(
-                asyncio.to_thread(verify, t.spec, actions), self.cfg.verifier_timeout_s
+                asyncio.to_thread(verify, t.spec, actions), self.settings.verifier_timeout_s
             )
             if not math.isfinite(reward):
                 raise ValueError(f"verifier {name} returned {reward}")

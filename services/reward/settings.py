@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.settings import ServiceSettings
+from rlbus.settings import ServiceSettings
 
 
 class RewardSettings(ServiceSettings):
@@ -17,6 +17,3 @@ class RewardSettings(ServiceSettings):
     transactional_id: str | None = None
     """Stable id for zombie fencing; default ``reward-<instance>``. aiokafka has no KIP-447
     group-metadata fencing, so a restarted member must reuse its predecessor's id."""
-    group: str = ""
-    """Consumer group; default ``<topic prefix>.reward``, so runs under different prefixes
-    on one cluster never share a group."""

@@ -1,6 +1,6 @@
 """The verifier registry: which function scores a trajectory.
 
-A task's own scorer (``shared.tasks.TASKS``) recomputes the outcome from the model's actions;
+A task's own scorer (``rlbus.tasks.TASKS``) recomputes the outcome from the model's actions;
 a spec may instead name a generic verifier (``{"verifier": "exact_match", "answer": "42"}``)
 to score the final action against a reference, or run it as a program against tests in the
 sandbox (``{"verifier": "python_tests", "tests": [{"stdin": "1 2", "expected": "3"}]}``).
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from services.reward.code_verifier import python_tests
-from shared.tasks import TASKS, exact_match, numeric_answer
+from rlbus.services.reward.code_verifier import python_tests
+from rlbus.tasks import TASKS, exact_match, numeric_answer
 
 Verifier = Callable[[dict[str, Any], Sequence[str]], float]
 

@@ -1,6 +1,6 @@
-"""``python -m services.rollout``: parse settings first, import heavy modules only after."""
+"""``python -m rlbus.services.rollout``: parse settings first, import heavy modules only after."""
 
-from shared.runner import run_service
+from rlbus.runner import run_service
 
 if __name__ == "__main__":
     run_service("rollout")

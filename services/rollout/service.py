@@ -17,13 +17,13 @@ import time
 import zlib
 from typing import Any, Literal
 
-from services.rollout.settings import RolloutSettings
-from shared import telemetry
-from shared.codec import encode
-from shared.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
-from shared.service import Service
-from shared.tasks import TASKS, Env, Task
-from shared.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer, RawRecord
+from rlbus import telemetry
+from rlbus.codec import encode
+from rlbus.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
+from rlbus.service import Service
+from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.tasks import TASKS, Env, Task
+from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer, RawRecord
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +65,13 @@ def default_reply_partition(instance: str, partitions: int) -> int:
     return number % partitions
 
 
-class Rollout(Service):
+class Rollout(Service[RolloutSettings]):
     name = "rollout"
 
     def __init__(
         self, settings: RolloutSettings, bus: Bus | None = None, tokenizer: Any = None
     ) -> None:
         super().__init__(settings, bus)
-        self.cfg = settings
         self.tokenizer = tokenizer
         self.reply_partition = (
             settings.reply_partition
@@ -84,10 +83,10 @@ class Rollout(Service):
         self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
 
     async def setup(self) -> None:
-        if self.tokenizer is None and self.cfg.tokenizer == "synthetic":
+        if self.tokenizer is None and self.settings.tokenizer == "synthetic":
             self.tokenizer = SyntheticTokenizer()
         elif self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(Tokenizer, self.cfg.model_path)
+            self.tokenizer = await asyncio.to_thread(Tokenizer, self.settings.model_path)
         self.producer: Producer = await self.bus.producer()
         self.replies: Consumer[StepResult] = await self.bus.consumer(
             [self.topics.results],
@@ -105,7 +104,7 @@ class Rollout(Service):
 
     async def main(self) -> None:
         while not self.stopping:
-            room = self.cfg.max_groups_in_flight - len(self._groups)
+            room = self.settings.max_groups_in_flight - len(self._groups)
             if room <= 0:
                 await asyncio.wait(self._groups, timeout=1.0, return_when="FIRST_COMPLETED")
             else:
@@ -201,6 +200,7 @@ class Rollout(Service):
             status=status,
             error=error,
             purpose=prompt.purpose,
+            eval_round=prompt.eval_round,
             started_at=started,
         )
 
@@ -209,17 +209,17 @@ class Rollout(Service):
         assert self.tokenizer is not None
         env: Env = task.make_env()
         with telemetry.span("env.reset", self.member):
-            obs = await asyncio.wait_for(env.reset(prompt.spec), self.cfg.env_timeout_s)
+            obs = await asyncio.wait_for(env.reset(prompt.spec), self.settings.env_timeout_s)
         new_ids = self.tokenizer.encode(obs)
         context: list[int] = []
         for turn in range(task.max_turns):
             context += new_ids
-            if len(context) + prompt.sampling.max_new_tokens > self.cfg.max_context_tokens:
+            if len(context) + prompt.sampling.max_new_tokens > self.settings.max_context_tokens:
                 return
             result = await self._ask(episode_id, turn, context, prompt)
             action = self.tokenizer.decode(result.completion_ids)
             with telemetry.span("env.step", self.member, attributes={"rlbus.turn": turn}):
-                outcome = await asyncio.wait_for(env.step(action), self.cfg.env_timeout_s)
+                outcome = await asyncio.wait_for(env.step(action), self.settings.env_timeout_s)
             turns.append(
                 Turn(
                     input_ids=new_ids,
@@ -258,18 +258,20 @@ class Rollout(Service):
         self._pending[request.request_id] = future
         sent = time.perf_counter()
         try:
-            for attempt in range(self.cfg.step_retries + 1):
+            for attempt in range(self.settings.step_retries + 1):
                 if attempt:
                     self.bump("resends")
                 await self.producer.send(self.topics.steps, request, key=request.episode_id)
                 try:
-                    result = await asyncio.wait_for(asyncio.shield(future), self.cfg.step_timeout_s)
+                    result = await asyncio.wait_for(
+                        asyncio.shield(future), self.settings.step_timeout_s
+                    )
                     telemetry.STEP_LATENCY.record(time.perf_counter() - sent)
                     return result
                 except TimeoutError:
                     log.info("no answer to %s; re-sending", request.request_id)
             raise EpisodeFailed(
-                f"no answer to {request.request_id} after {self.cfg.step_retries + 1} sends"
+                f"no answer to {request.request_id} after {self.settings.step_retries + 1} sends"
             )
         finally:
             self._pending.pop(request.request_id, None)
@@ -286,7 +288,7 @@ class Rollout(Service):
     async def drain(self) -> None:
         """Finish what can finish in time; the rest is redelivered to another member."""
         if self._groups:
-            await asyncio.wait(self._groups, timeout=self.cfg.drain_timeout_s * 0.8)
+            await asyncio.wait(self._groups, timeout=self.settings.drain_timeout_s * 0.8)
         for task in list(self._groups):
             task.cancel()
         if hasattr(self, "prompts"):

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.settings import ServiceSettings
+from rlbus.settings import ServiceSettings
 
 
 class RolloutSettings(ServiceSettings):
@@ -35,6 +35,3 @@ class RolloutSettings(ServiceSettings):
     """Longest an environment's reset or step may take before the episode fails."""
     max_context_tokens: int = Field(default=4096, ge=16)
     """An episode whose context would exceed this ends (finish_reason length)."""
-    group: str = ""
-    """Consumer group; default ``<topic prefix>.rollout``, so runs under different prefixes
-    on one cluster never share a group."""

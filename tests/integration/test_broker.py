@@ -11,13 +11,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from shared.broker import (
-    LocalCluster,
-    _new_cluster_id,
-    describe_broker_ids,
-    free_port_pairs,
-    main,
-)
+from rlbus.services.ops.broker import LocalCluster, describe_broker_ids, free_port_pairs, main
+from rlbus.services.ops.broker.cluster import _new_cluster_id
 
 pytestmark = pytest.mark.kafka
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.launcher import ServiceProcesses, tail
-from shared.broker import LocalCluster
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import ensure_topics
+from rlbus.services.ops.broker import LocalCluster
+from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -70,7 +70,7 @@ class Run:
 
 
 def _env(bootstrap: str, prefix: str, run_dir: Path) -> dict[str, dict[str, str]]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    base = child_env()
     base.update(
         {
             "RLBUS_KAFKA__BOOTSTRAP": bootstrap,

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from services import inspect
-from shared.messages import Prompt, StepRequest, Trajectory
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import Topics, ensure_topics
-from shared.transport import KafkaBus
+from rlbus.messages import Prompt, StepRequest, Trajectory
+from rlbus.services.ops import inspection
+from rlbus.services.ops.launcher import child_env
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import Topics, ensure_topics
+from rlbus.transport import KafkaBus
 from tests import factories
 
 pytestmark = pytest.mark.kafka
@@ -49,26 +50,28 @@ async def test_replay_from_beginning_offset_and_filters(env):
     for i in range(6):
         await p.send(topics.prompts, factories.prompt(f"g{i}"), key=f"g{i}", partition=i % 2)
     out = io.StringIO()
-    assert (
-        await inspect.replay(bus, topics, "prompts", inspect.Start(), inspect.Filter(), out=out)
-        == 6
+    n = await inspection.replay(
+        bus, topics, "prompts", inspection.Start(), inspection.Filter(), out=out
     )
+    assert n == 6
     assert sorted(r["message"]["group_id"] for r in _lines(out)) == [f"g{i}" for i in range(6)]
 
     out = io.StringIO()
-    await inspect.replay(bus, topics, "prompts", inspect.Start(offset=2), inspect.Filter(), out=out)
+    await inspection.replay(
+        bus, topics, "prompts", inspection.Start(offset=2), inspection.Filter(), out=out
+    )
     assert sorted(r["message"]["group_id"] for r in _lines(out)) == ["g4", "g5"]
 
     out = io.StringIO()
-    await inspect.replay(
-        bus, topics, topics.prompts, inspect.Start(), inspect.Filter(key="g3"), out=out
+    await inspection.replay(
+        bus, topics, topics.prompts, inspection.Start(), inspection.Filter(key="g3"), out=out
     )
     (row,) = _lines(out)
     assert row["key"] == "g3" and row["partition"] == 1 and row["offset"] == 1
 
     out = io.StringIO()
-    await inspect.replay(
-        bus, topics, "prompts", inspect.Start(), inspect.Filter(group="g0"), out=out
+    await inspection.replay(
+        bus, topics, "prompts", inspection.Start(), inspection.Filter(group="g0"), out=out
     )
     assert [r["message"]["group_id"] for r in _lines(out)] == ["g0"]
 
@@ -82,8 +85,8 @@ async def test_replay_from_timestamp(env):
     await asyncio.sleep(0.05)
     await p.send(topics.prompts, factories.prompt("new"), partition=1)
     out = io.StringIO()
-    await inspect.replay(
-        bus, topics, "prompts", inspect.Start(timestamp_ms=cut), inspect.Filter(), out=out
+    await inspection.replay(
+        bus, topics, "prompts", inspection.Start(timestamp_ms=cut), inspection.Filter(), out=out
     )
     assert [r["message"]["group_id"] for r in _lines(out)] == ["new"]
 
@@ -93,20 +96,20 @@ async def test_replay_by_episode_and_republish(env, unique_name):
     episode = await _publish_episode(bus, topics)
     await _publish_episode(bus, topics, index=2)
     out = io.StringIO()
-    await inspect.replay(
-        bus, topics, "steps", inspect.Start(), inspect.Filter(episode=episode), out=out
+    await inspection.replay(
+        bus, topics, "steps", inspection.Start(), inspection.Filter(episode=episode), out=out
     )
     assert [r["message"]["episode_id"] for r in _lines(out)] == [episode]
 
     # re-publish trajectories to a second prefix's topic, as a re-scoring run would read them
     other = Topics(TopicSettings(prefix=unique_name("rescore")))
     await ensure_topics(bus.kafka, other.settings)
-    n = await inspect.replay(
-        bus, topics, "trajectories", inspect.Start(), inspect.Filter(), to=other.trajectories
+    n = await inspection.replay(
+        bus, topics, "trajectories", inspection.Start(), inspection.Filter(), to=other.trajectories
     )
     assert n == 2
-    copied = await inspect.read_topic(bus, other.trajectories)
-    decoded = [m for _, m, _ in inspect.decoded(copied, Trajectory)]
+    copied = await inspection.read_topic(bus, other.trajectories)
+    decoded = [m for _, m, _ in inspection.decoded(copied, Trajectory)]
     assert sorted(t.episode_id for t in decoded) == ["run/7/1", "run/7/2"]
 
 
@@ -114,13 +117,13 @@ async def test_trace_gathers_one_episode_across_topics(env):
     bus, topics = env
     episode = await _publish_episode(bus, topics)
     await _publish_episode(bus, topics, index=2)  # a sibling that must not appear
-    rows = await inspect.gather_episode(bus, topics, episode)
+    rows = await inspection.gather_episode(bus, topics, episode)
     kinds = [type(r["message"]).__name__ for r in rows]
     assert kinds == ["Prompt", "StepRequest", "StepResult", "Trajectory", "ScoredTrajectory"]
     assert isinstance(rows[0]["message"], Prompt)
     assert isinstance(rows[1]["message"], StepRequest)
     text = []
-    inspect.render_episode(episode, rows, text.append)
+    inspection.render_episode(episode, rows, text.append)
     transcript = "".join(text)
     assert "task=guess_number" in transcript
     assert "turn 0  [policy v0, 2 tokens, stop] action: '3' -> observation: 'correct'" in transcript
@@ -128,7 +131,7 @@ async def test_trace_gathers_one_episode_across_topics(env):
 
 
 async def test_status_reports_lag_per_group_and_topic(env, unique_name):
-    from services.status import sample, table
+    from rlbus.services.ops.status import sample, table
 
     bus, topics = env
     p = await bus.producer()
@@ -156,7 +159,6 @@ async def test_status_reports_lag_per_group_and_topic(env, unique_name):
 
 
 async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap):
-    import os
     import sys
 
     bus, topics = env
@@ -165,14 +167,14 @@ async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap
         '{"task": "guess_number", "spec": {"target": 3, "low": 0, "high": 15, "max_turns": 5}}\n'
         '{"task": "addition", "spec": {"a": 1, "b": 2}, "group_id": "mine/1"}\n'
     )
-    env_vars = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    env_vars = child_env()
     env_vars.update(
         {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "rlbus.services.ops.cli",
         "feed",
         str(path),
         "--group-size",
@@ -184,8 +186,8 @@ async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     assert b"published 2 prompt(s)" in out
-    records = await inspect.read_topic(bus, topics.prompts)
+    records = await inspection.read_topic(bus, topics.prompts)
     prompts = sorted(
-        (m.group_id, m.task, m.group_size) for _, m, _ in inspect.decoded(records, Prompt)
+        (m.group_id, m.task, m.group_size) for _, m, _ in inspection.decoded(records, Prompt)
     )
     assert prompts == [("feed/1", "guess_number", 4), ("mine/1", "addition", 4)]

@@ -1,6 +1,5 @@
 """SIGTERM on a real service process: stop fetching, drain, commit, log one summary, exit 0."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -8,12 +7,14 @@ import time
 
 import pytest
 
+from rlbus.services.ops.launcher import ServiceProcesses, child_env
+
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("service", ["inference", "reward", "rollout"])
 def test_sigterm_drains_and_exits_cleanly(kafka_bootstrap, unique_name, tmp_path, service):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    env = child_env()
     env.update(
         {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": unique_name("lc")}
     )
@@ -24,19 +25,14 @@ def test_sigterm_drains_and_exits_cleanly(kafka_bootstrap, unique_name, tmp_path
         }.get(service, {})
     )
     subprocess.run(
-        [sys.executable, "-m", "services.cli", "topics", "create"],
+        [sys.executable, "-m", "rlbus.services.ops.cli", "topics", "create"],
         env=env,
         check=True,
         capture_output=True,
     )
-    log = tmp_path / "service.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{service}"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    procs = ServiceProcesses(tmp_path)
+    log = procs.spawn(service, 0, env).log
+    proc = procs.get(f"{service}-0").popen
     deadline = time.monotonic() + 60
     while f"{service}-0 ready" not in log.read_text():
         assert proc.poll() is None, log.read_text()

@@ -1,7 +1,6 @@
 """The load-test harness end to end on the smoke scenario (no timing is checked)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.scenario import load
+from rlbus.services.ops.launcher import child_env
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def smoke_run(kafka_bootstrap, tmp_path_factory):
     out = tmp_path_factory.mktemp("loadtest")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    env = child_env()
     env["RLBUS_KAFKA_BOOTSTRAP"] = kafka_bootstrap  # the session's broker, not a second one
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest", "--smoke", "--out", str(out)],

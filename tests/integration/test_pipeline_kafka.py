@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from services.learner.tiny_model import build_tiny_model
-from shared.messages import WeightVersion
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import Topics, ensure_topics
-from shared.transport import KafkaBus
+from rlbus.messages import WeightVersion
+from rlbus.services.learner.tiny_model import build_tiny_model
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import Topics, ensure_topics
+from rlbus.transport import KafkaBus
 from tests.pipeline import bus_factory, run_pipeline, settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from services.reward.service import Reward
-from services.reward.settings import RewardSettings
-from shared.messages import Prompt, ScoredTrajectory
-from shared.secure_broker import SecureCluster
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import Topics, ensure_topics
-from shared.transport import KafkaBus
+from rlbus.messages import Prompt, ScoredTrajectory
+from rlbus.services.reward.service import Reward
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import Topics, ensure_topics
+from rlbus.transport import KafkaBus
 from tests import factories
 from tests.polling import poll_until
+from tests.support.secure_broker import SecureCluster
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from shared.codec import encode
-from shared.messages import DeadLetter, Prompt
-from shared.settings import KafkaSettings, TopicSettings
-from shared.topics import TopicMismatchError, Topics, ensure_topics
-from shared.transport import KafkaBus, admin_client
+from rlbus.codec import encode
+from rlbus.messages import DeadLetter, Prompt
+from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.topics import TopicMismatchError, Topics, ensure_topics
+from rlbus.transport import KafkaBus, admin_client
 from tests import factories
 from tests.polling import poll_until
 
@@ -130,7 +130,7 @@ async def test_transaction_commits_output_and_offsets_atomically(kafka, topics, 
 
 
 async def test_topic_creation_refused_by_the_broker_fails_clearly(kafka, unique_name):
-    from shared.topics import TopicCreationError
+    from rlbus.topics import TopicCreationError
 
     # one broker cannot hold three replicas
     settings = TopicSettings(prefix=unique_name("t"), replication=3)

@@ -11,18 +11,18 @@ from collections.abc import Sequence
 import msgpack
 import pytest
 
-from services.inference.service import Inference
-from services.inference.settings import InferenceSettings
-from services.reward.service import Reward
-from services.reward.settings import RewardSettings
-from services.rollout.service import Rollout
-from services.rollout.settings import RolloutSettings
-from shared.codec import encode
-from shared.messages import DeadLetter, Prompt, ScoredTrajectory, Trajectory
-from shared.settings import TopicSettings
-from shared.tasks import TASKS, GuessNumber, StepOutcome
-from shared.topics import Topics, memory_broker
-from shared.transport import MemoryBroker, MemoryBus
+from rlbus.codec import encode
+from rlbus.messages import DeadLetter, Prompt, ScoredTrajectory, Trajectory
+from rlbus.services.inference.service import Inference
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.services.reward.service import Reward
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.rollout.service import Rollout
+from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.settings import TopicSettings
+from rlbus.tasks import TASKS, GuessNumber, StepOutcome
+from rlbus.topics import Topics, memory_broker
+from rlbus.transport import MemoryBroker, MemoryBus
 from tests import factories
 
 TOPICS = TopicSettings(prefix="bad", partitions=1, result_partitions=1)
@@ -82,7 +82,7 @@ def broken_tasks(monkeypatch):
 
 
 def _read(broker: MemoryBroker, topic: str, cls):
-    from shared.codec import decode
+    from rlbus.codec import decode
 
     return [decode(r.value, cls) for part in broker.logs.get(topic, []) for r in part]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.admin import read_prompts
+from rlbus.services.ops.admin import read_prompts
 
 
 def _args(**kw):
@@ -18,7 +18,7 @@ def _args(**kw):
 def test_help_is_fast_and_imports_nothing_heavy():
     code = (
         "import sys, time; t = time.perf_counter()\n"
-        "from services.cli import main\n"
+        "from rlbus.services.ops.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
         "print(heavy, file=sys.stderr)"
@@ -54,17 +54,17 @@ def test_missing_prompt_file_is_a_clear_error(tmp_path):
 
 def test_invalid_settings_fail_with_the_key_named(monkeypatch):
     monkeypatch.setenv("RLBUS_NOT_A_SETTING", "1")
-    from shared.runner import run_service
+    from rlbus.runner import run_service
 
     with pytest.raises(SystemExit, match="RLBUS_NOT_A_SETTING"):
         run_service("reward")
 
 
 def test_unreachable_broker_is_a_clear_error_not_a_hang():
-    from services.reward.service import Reward
-    from services.reward.settings import RewardSettings
-    from shared.settings import KafkaSettings
-    from shared.transport import BrokerConnectError
+    from rlbus.services.reward.service import Reward
+    from rlbus.services.reward.settings import RewardSettings
+    from rlbus.settings import KafkaSettings
+    from rlbus.transport import BrokerConnectError
 
     settings = RewardSettings(kafka=KafkaSettings(bootstrap="127.0.0.1:1", request_timeout_s=5))
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from shared.runner import SERVICES, settings_class
-from shared.settings import ServiceSettings
+from rlbus.runner import SERVICES, settings_class
+from rlbus.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -74,7 +74,7 @@ def settings_for(service: dict[str, Any]) -> type[ServiceSettings] | None:
     if command[:1] == ["run"]:
         return settings_class(command[1])
     if command[:1] == ["topics"]:
-        from services.admin import AdminSettings
+        from rlbus.services.ops.admin import AdminSettings
 
         return AdminSettings
     return None
@@ -216,7 +216,7 @@ def test_kafka_is_healthchecked_and_topics_wait_for_it():
 
 
 def test_kafka_image_is_the_version_the_tests_run():
-    from shared.broker import KAFKA_VERSION
+    from rlbus.services.ops.broker import KAFKA_VERSION
 
     assert services()["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"
 

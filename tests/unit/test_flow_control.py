@@ -9,17 +9,17 @@ import json
 
 import pytest
 
-from services.inference.service import Inference
-from services.inference.settings import InferenceSettings
-from services.learner.service import Learner
-from services.learner.settings import LearnerSettings
-from services.reward.service import Reward
-from services.reward.settings import RewardSettings
-from services.rollout.service import Rollout
-from services.rollout.settings import RolloutSettings
-from shared.settings import TopicSettings
-from shared.topics import Topics, memory_broker
-from shared.transport import MemoryBus
+from rlbus.services.inference.service import Inference
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.services.learner.service import Learner
+from rlbus.services.learner.settings import LearnerSettings
+from rlbus.services.reward.service import Reward
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.rollout.service import Rollout
+from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.settings import TopicSettings
+from rlbus.topics import Topics, memory_broker
+from rlbus.transport import MemoryBus
 
 TOPICS = TopicSettings(prefix="fc", partitions=2, result_partitions=2)
 

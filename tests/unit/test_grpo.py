@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from services.learner.grpo import (
+from rlbus.services.learner.grpo import (
     collate,
     group_advantages,
     masked_mean,

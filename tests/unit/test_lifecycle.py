@@ -2,11 +2,11 @@
 
 import asyncio
 
-from services.reward.service import Reward
-from services.reward.settings import RewardSettings
-from shared.settings import TopicSettings
-from shared.topics import Topics, memory_broker
-from shared.transport import MemoryBus
+from rlbus.services.reward.service import Reward
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.settings import TopicSettings
+from rlbus.topics import Topics, memory_broker
+from rlbus.transport import MemoryBus
 from tests import factories
 
 TOPICS = TopicSettings(prefix="lc", partitions=1)

@@ -6,8 +6,8 @@ import sys
 
 def test_shared_does_not_import_heavy_frameworks():
     code = (
-        "import sys, shared.settings, shared.messages, shared.codec, shared.topics, "
-        "shared.transport, shared.service\n"
+        "import sys, rlbus.settings, rlbus.messages, rlbus.codec, rlbus.topics, "
+        "rlbus.transport, rlbus.service\n"
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )

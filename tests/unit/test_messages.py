@@ -3,8 +3,8 @@ import math
 import msgpack
 import pytest
 
-from shared.codec import DecodeError, decode, encode, to_jsonable
-from shared.messages import StepResult, Trajectory, Turn
+from rlbus.codec import DecodeError, decode, encode, to_jsonable
+from rlbus.messages import StepResult, Trajectory, Turn
 from tests import factories
 
 

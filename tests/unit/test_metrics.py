@@ -5,10 +5,10 @@ from opentelemetry import metrics
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services.learner.tiny_model import build_tiny_model
-from shared.settings import TopicSettings
-from shared.topics import memory_broker
-from shared.transport import MemoryBus
+from rlbus.services.learner.tiny_model import build_tiny_model
+from rlbus.settings import TopicSettings
+from rlbus.topics import memory_broker
+from rlbus.transport import MemoryBus
 from tests.pipeline import bus_factory, run_pipeline, settings
 
 
@@ -47,8 +47,8 @@ async def test_pipeline_reports_its_metrics(reader, tmp_path):
 
 
 async def test_consumer_lag_counts_records_not_yet_fetched(reader):
-    from shared.messages import Prompt
-    from shared.transport import MemoryBroker
+    from rlbus.messages import Prompt
+    from rlbus.transport import MemoryBroker
     from tests import factories
 
     bus = MemoryBus(MemoryBroker({"lagged": 1}), service="svc")

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from services.reward.code_verifier import extract_program, python_tests
-from services.reward.sandbox import (
+from rlbus.services.reward.code_verifier import extract_program, python_tests
+from rlbus.services.reward.sandbox import (
     UID_BASE,
     Isolation,
     SandboxResult,

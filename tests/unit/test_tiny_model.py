@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from services.learner.grpo import sequence_logprobs
-from services.learner.tiny_model import EOS, build_tiny_model
-from shared.tasks import TASKS, Task
+from rlbus.services.learner.grpo import sequence_logprobs
+from rlbus.services.learner.tiny_model import EOS, build_tiny_model
+from rlbus.tasks import TASKS, Task
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.learner.tiny_model import build_tiny_model
-from shared.settings import TopicSettings
-from shared.topics import memory_broker
-from shared.transport import MemoryBus
+from rlbus.services.learner.tiny_model import build_tiny_model
+from rlbus.settings import TopicSettings
+from rlbus.topics import memory_broker
+from rlbus.transport import MemoryBus
 from tests.pipeline import bus_factory, run_pipeline, settings
 
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from services.inference.engines import HFEngine
-from services.inference.settings import InferenceSettings
-from services.learner.store import save_weights
-from services.learner.tiny_model import build_tiny_model
-from shared.weights import ChecksumMismatchError, verified_weights, weights_file
+from rlbus.services.inference.engines import HFEngine
+from rlbus.services.inference.settings import InferenceSettings
+from rlbus.services.learner.store import save_weights
+from rlbus.services.learner.tiny_model import build_tiny_model
+from rlbus.weights import ChecksumMismatchError, verified_weights, weights_file
 
 
 def test_round_trip_and_tamper_detection(tmp_path):

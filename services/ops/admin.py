@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from shared.messages import Prompt, Sampling
-from shared.settings import ServiceSettings
-from shared.topics import Topics, ensure_topics
-from shared.transport import KafkaBus, admin_client
+from rlbus.messages import Prompt, Sampling
+from rlbus.settings import ServiceSettings
+from rlbus.topics import Topics, ensure_topics
+from rlbus.transport import KafkaBus, admin_client
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class AdminSettings(ServiceSettings):
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:
-        from shared.runner import SERVICES, settings_class
+        from rlbus.runner import SERVICES, settings_class
 
         return [settings_class(name) for name in SERVICES]
 
@@ -85,26 +85,26 @@ async def feed_command(args: argparse.Namespace) -> int:
 
 
 async def inspect_command(args: argparse.Namespace) -> int:
-    from services import inspect
+    from rlbus.services.ops import inspection
 
     s = AdminSettings()
     topics = Topics(s.topics)
     bus = KafkaBus(s.kafka, dlq_topic=None, service="inspect")
     try:
         if args.command == "trace":
-            rows = await inspect.gather_episode(bus, topics, args.episode_id)
+            rows = await inspection.gather_episode(bus, topics, args.episode_id)
             if args.json:
                 for r in rows:
-                    print(json.dumps(inspect.as_json(r["raw"], r["message"], None)))
+                    print(json.dumps(inspection.as_json(r["raw"], r["message"], None)))
             else:
-                inspect.render_episode(args.episode_id, rows, sys.stdout.write)
+                inspection.render_episode(args.episode_id, rows, sys.stdout.write)
             return 0 if rows else 1
-        start = inspect.Start(
+        start = inspection.Start(
             offset=args.from_offset,
-            timestamp_ms=inspect.parse_time(args.from_time) if args.from_time else None,
+            timestamp_ms=inspection.parse_time(args.from_time) if args.from_time else None,
         )
-        match = inspect.Filter(key=args.key, episode=args.episode, group=args.group)
-        n = await inspect.replay(
+        match = inspection.Filter(key=args.key, episode=args.episode, group=args.group)
+        n = await inspection.replay(
             bus, topics, args.topic, start, match, to=args.to, limit=args.limit
         )
         if args.to:

@@ -15,16 +15,16 @@ from typing import IO, Any
 
 from pydantic import BaseModel
 
-from shared.codec import DecodeError, decode, to_jsonable
-from shared.messages import (
+from rlbus.codec import DecodeError, decode, to_jsonable
+from rlbus.messages import (
     Prompt,
     ScoredTrajectory,
     StepRequest,
     StepResult,
     Trajectory,
 )
-from shared.topics import Topics
-from shared.transport import TP, Bus, RawRecord
+from rlbus.topics import Topics
+from rlbus.transport import TP, Bus, RawRecord
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ TLS and SCRAM, so the services must be proven against that too. This module adds
     loopback, as it carries no client traffic.
 
 ``SecureCluster(...).start()`` then gives ``bootstrap`` and ``settings()``: keyword arguments
-for ``shared.settings.KafkaSettings``.
+for ``rlbus.settings.KafkaSettings``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from shared.broker import LOOPBACK, BrokerError, LocalCluster, free_port_pairs
-from shared.settings import KafkaSettings
-from shared.transport import client_options
+from rlbus.services.ops.broker import LOOPBACK, BrokerError, LocalCluster, free_port_pairs
+from rlbus.settings import KafkaSettings
+from rlbus.transport import client_options
 
 MECHANISM = "SCRAM-SHA-512"
 LISTENER = "SASL_SSL"

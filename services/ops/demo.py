@@ -2,7 +2,7 @@
 
 Starts a local broker (or uses ``RLBUS_KAFKA_BOOTSTRAP``), builds a tiny random-init model,
 creates a fresh set of topics, launches inference, reward, rollout and learner as
-``python -m services.<name>`` processes, shows live progress, and on finish (or Ctrl-C)
+``python -m rlbus.services.<name>`` processes, shows live progress, and on finish (or Ctrl-C)
 stops them all and writes ``reward_curve.png`` and ``summary.json`` into the run folder.
 """
 
@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.launcher import ServiceProcesses, tail
+from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
 
 # The demo's training recipe: small batches, many steps (searched in-process first, then
 # measured end to end with `make demo`: 4,800 steps in 6.5 minutes took greedy success on
@@ -63,7 +62,7 @@ class Demo:
     # -- setup
 
     def prepare(self) -> dict[str, str]:
-        from shared.broker import bootstrap_or_start
+        from rlbus.services.ops.broker import bootstrap_or_start
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         say(f"run folder: {self.run_dir}")
@@ -72,13 +71,13 @@ class Demo:
         say(f"broker at {bootstrap}")
         model = self.run_dir / "model"
         if not (model / "config.json").exists():
-            from services.learner.tiny_model import build_tiny_model
+            from rlbus.services.learner.tiny_model import build_tiny_model
 
             build_tiny_model(model)
         self.model = model
         prefix = f"demo-{self.run_dir.name}"
         # Only the variables every service accepts: settings reject unknown RLBUS_* keys.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+        env = child_env()
         env.update(
             {
                 "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
@@ -94,8 +93,8 @@ class Demo:
         return env
 
     def _create_topics(self, env: dict[str, str]) -> None:
-        from shared.settings import KafkaSettings, TopicSettings
-        from shared.topics import ensure_topics
+        from rlbus.settings import KafkaSettings, TopicSettings
+        from rlbus.topics import ensure_topics
 
         kafka = KafkaSettings(bootstrap=env["RLBUS_KAFKA__BOOTSTRAP"])
         topics = TopicSettings(
@@ -128,7 +127,7 @@ class Demo:
 
     def watch(self) -> str:
         """Until the learner exits, a service dies or time runs out; returns why it ended."""
-        from services.progress import Progress
+        from rlbus.services.ops.progress import Progress
 
         deadline = self.started + self.minutes * 60
         with Progress(self.steps, self.live) as progress:
@@ -191,7 +190,7 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def report(demo: Demo, reason: str) -> int:
-    from services.progress import summarize, write_plot
+    from rlbus.services.ops.progress import summarize, write_plot
 
     rows = read_metrics(demo.metrics)
     summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)

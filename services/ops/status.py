@@ -15,9 +15,9 @@ from typing import Any
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 
-from shared.settings import KafkaSettings
-from shared.topics import Topics
-from shared.transport import KafkaBus, admin_client, with_timeout
+from rlbus.settings import KafkaSettings
+from rlbus.topics import Topics
+from rlbus.transport import KafkaBus, admin_client, with_timeout
 
 
 @dataclass(frozen=True)

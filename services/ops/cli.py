@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
-    from shared.settings import UnknownSettingError
-    from shared.transport import BrokerConnectError
+    from rlbus.settings import UnknownSettingError
+    from rlbus.transport import BrokerConnectError
 
     try:
         return _dispatch(args)
@@ -91,35 +91,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        from shared.runner import run_service
+        from rlbus.runner import run_service
 
         run_service(args.service)
         return 0
     if args.command == "broker":
-        from shared.broker import main as broker_main
+        from rlbus.services.ops.broker import main as broker_main
 
         return broker_main(args.args)
     if args.command == "topics":
-        from services.admin import topics_command
+        from rlbus.services.ops.admin import topics_command
 
         return asyncio.run(topics_command(args.action))
     if args.command == "feed":
-        from services.admin import feed_command
+        from rlbus.services.ops.admin import feed_command
 
         return asyncio.run(feed_command(args))
     if args.command in ("replay", "trace"):
-        from services.admin import inspect_command
+        from rlbus.services.ops.admin import inspect_command
 
         return asyncio.run(inspect_command(args))
     if args.command == "status":
-        from services.admin import AdminSettings
-        from services.status import status_command
-        from shared.topics import Topics
+        from rlbus.services.ops.admin import AdminSettings
+        from rlbus.services.ops.status import status_command
+        from rlbus.topics import Topics
 
         s = AdminSettings()
         return asyncio.run(status_command(s.kafka, Topics(s.topics), args.once, args.interval))
     if args.command == "demo":
-        from services.demo import demo_command
+        from rlbus.services.ops.demo import demo_command
 
         return demo_command(args)
     raise AssertionError(args.command)

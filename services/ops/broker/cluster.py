@@ -1,14 +1,8 @@
-"""A real Apache Kafka 4.x broker (KRaft, combined broker+controller) run natively from Maven jars.
+"""A real Apache Kafka 4.x broker (KRaft, combined broker+controller) run natively from jars.
 
-Why not Docker: the tests and the demo must run where Docker is unavailable; Java 17 and Maven are
-enough. The jars are resolved once into a cache folder by Maven (``shared/kafka/pom.xml``), then
-each node is a plain ``java -cp "lib/*" kafka.Kafka server.properties`` process.
-
-Public surface:
-  * ``resolve_jars()``: the cached ``lib`` folder, downloading it with Maven on first use.
-  * ``LocalCluster``: 1 or 3 loopback nodes with start/stop and fault injection for tests.
-  * ``bootstrap_or_start()``: use ``$RLBUS_KAFKA_BOOTSTRAP`` if set, else start a cluster.
-  * ``main(argv)``: the ``rlbus broker start|stop|status`` command (state in a JSON file).
+Each node is a plain ``java -cp "lib/*" kafka.Kafka server.properties`` process.
+``LocalCluster`` runs 1 or 3 loopback nodes with start/stop and fault injection for tests;
+``bootstrap_or_start()`` uses ``$RLBUS_KAFKA_BOOTSTRAP`` if set, else starts a cluster.
 
 Only the standard library is imported at module level; aiokafka is imported lazily inside the
 readiness check so that importing this module stays cheap.
@@ -16,21 +10,17 @@ readiness check so that importing this module stays cheap.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import base64
 import concurrent.futures
-import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -40,115 +30,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
-
-KAFKA_VERSION = "4.4.0"
-LOOPBACK = "127.0.0.1"
-DEFAULT_CLI_PORT = 9092
-BOOTSTRAP_ENV = "RLBUS_KAFKA_BOOTSTRAP"
-INSTALL_HINT = (
-    "install a Java 17+ runtime and Maven (Debian/Ubuntu: "
-    "`apt-get install openjdk-17-jre-headless maven`; macOS: `brew install openjdk@17 maven`), "
-    f"or run Kafka with `docker compose up` and set {BOOTSTRAP_ENV}=host:port"
+from rlbus.services.ops.broker.jars import (
+    BOOTSTRAP_ENV,
+    KAFKA_VERSION,
+    LOOPBACK,
+    BrokerError,
+    require_java,
+    resolve_jars,
+    tail_text,
 )
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
-
-
-class BrokerError(RuntimeError):
-    """The local Kafka broker could not be provisioned, started, stopped or reached."""
-
-
-# --------------------------------------------------------------------------------------------
-# Jars
-# --------------------------------------------------------------------------------------------
-
-
-def jar_cache_dir(version: str = KAFKA_VERSION) -> Path:
-    """The folder holding the broker's jars: ``$RLBUS_KAFKA_CACHE`` or the per-version default."""
-    override = os.environ.get("RLBUS_KAFKA_CACHE")
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "rlbus" / f"kafka-{version}" / "lib"
-
-
-def resolve_jars(version: str = KAFKA_VERSION) -> Path:
-    """Return the folder with Kafka ``version`` and its runtime jars, fetching them if needed."""
-    lib = jar_cache_dir(version)
-    if _has_kafka_jar(lib, version):
-        return lib
-    _require_tool("mvn")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # Maven writes into a staging folder that is renamed into place only when complete, so an
-    # interrupted download never looks like a usable cache, and concurrent runs cannot mix.
-    staging = Path(tempfile.mkdtemp(prefix=".lib-staging-", dir=lib.parent))
-    try:
-        _run_mvn(staging, version)
-        _publish(staging, lib, version)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return lib
-
-
-def _has_kafka_jar(lib: Path, version: str) -> bool:
-    if (lib / f"kafka_2.13-{version}.jar").is_file():
-        return True
-    others = sorted(p.name for p in lib.glob("kafka_2.13-*.jar")) if lib.is_dir() else []
-    if others:
-        raise BrokerError(
-            f"{lib} holds {others[0]}, not Kafka {version}; "
-            "delete it or point RLBUS_KAFKA_CACHE to another folder"
-        )
-    return False
-
-
-def _run_mvn(out: Path, version: str) -> None:
-    pom = Path(__file__).parent / "kafka" / "pom.xml"
-    if not pom.is_file():
-        raise BrokerError(f"missing package data {pom}; reinstall rlbus")
-    cmd = [
-        "mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(pom), "dependency:copy-dependencies",
-        f"-DoutputDirectory={out}", "-DincludeScope=runtime", f"-Dkafka.version={version}",
-    ]  # fmt: skip
-    log.info("resolving Kafka %s jars with Maven into %s (first run only)", version, out)
-    started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = _tail_text(proc.stdout + proc.stderr, 30)
-        raise BrokerError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
-    log.info("Maven resolved the jars in %.1f s", time.monotonic() - started)
-
-
-def _publish(staging: Path, lib: Path, version: str) -> None:
-    if not (staging / f"kafka_2.13-{version}.jar").is_file():
-        raise BrokerError(f"Maven finished but produced no kafka_2.13-{version}.jar in {staging}")
-    if lib.is_dir() and not any(lib.iterdir()):
-        lib.rmdir()  # an empty folder (e.g. a fresh RLBUS_KAFKA_CACHE) may be replaced
-    try:
-        staging.rename(lib)
-    except OSError as exc:
-        if not _has_kafka_jar(lib, version):  # lost a race to another process: theirs is fine
-            raise BrokerError(f"cannot move the jars into {lib}: it is not empty") from exc
-
-
-def _require_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise BrokerError(f"`{name}` is not on PATH; {INSTALL_HINT}")
-    return path
-
-
-def _require_java() -> str:
-    java = _require_tool("java")
-    proc = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', proc.stderr + proc.stdout)
-    if match is None:
-        raise BrokerError(f"cannot read the Java version from `java -version`: {proc.stderr!r}")
-    major = int(match.group(2)) if match.group(1) == "1" else int(match.group(1))
-    if major < 17:
-        raise BrokerError(f"Kafka 4.x needs Java 17+, found Java {major} at {java}; {INSTALL_HINT}")
-    return java
-
 
 # --------------------------------------------------------------------------------------------
 # Node configuration
@@ -297,7 +191,7 @@ def free_port_pairs(count: int) -> list[tuple[int, int]]:
     raise BrokerError(f"no free loopback ports in {_PORT_RANGE}")
 
 
-def _port_open(port: int, timeout: float = 0.5) -> bool:
+def port_open(port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((LOOPBACK, port), timeout=timeout):
             return True
@@ -305,7 +199,7 @@ def _port_open(port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def signal_group(pid: int, sig: signal.Signals) -> None:
     # Each node runs in its own session, so its process group id is its pid; signalling the
     # group also reaches anything the JVM may have forked.
     try:
@@ -314,13 +208,9 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _tail_text(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
-
 def _tail_file(path: Path, lines: int = 25) -> str:
     try:
-        return _tail_text(path.read_text(errors="replace"), lines)
+        return tail_text(path.read_text(errors="replace"), lines)
     except OSError:
         return f"(no {path})"
 
@@ -454,7 +344,7 @@ class LocalCluster:
             raise BrokerError("cluster already started")
         atexit.register(self._stop_at_exit)
         try:  # on any failure stop() kills what started and removes a temporary data dir
-            self._java = _require_java()
+            self._java = require_java()
             self._lib = resolve_jars(self.version)
             self._check_ports_free()
             self._format_all()
@@ -477,7 +367,7 @@ class LocalCluster:
         atexit.unregister(self._stop_at_exit)
         running = [n for n in self._nodes if n.alive()]
         for node in running:
-            _signal_group(self._pid(node), signal.SIGTERM)
+            signal_group(self._pid(node), signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for node in running:
             self._reap(node, deadline)
@@ -505,14 +395,14 @@ class LocalCluster:
         """SIGKILL node ``i`` (0-based): a crash with no controlled shutdown."""
         node = self._nodes[i]
         if node.alive():
-            _signal_group(self._pid(node), signal.SIGKILL)
+            signal_group(self._pid(node), signal.SIGKILL)
             self._reap(node, time.monotonic() + 10.0)
 
     def stop_node(self, i: int, timeout: float = 20.0) -> None:
         """Gracefully stop node ``i`` (SIGTERM, SIGKILL after ``timeout`` s)."""
         node = self._nodes[i]
         if node.alive():
-            _signal_group(self._pid(node), signal.SIGTERM)
+            signal_group(self._pid(node), signal.SIGTERM)
             self._reap(node, time.monotonic() + timeout)
 
     def restart_node(self, i: int, timeout: float = 60.0) -> None:
@@ -555,7 +445,7 @@ class LocalCluster:
         for node, proc in zip(self._nodes, procs, strict=True):
             out, _ = proc.communicate(timeout=120)
             if proc.returncode != 0:
-                raise BrokerError(f"formatting node {node.node_id} failed:\n{_tail_text(out, 20)}")
+                raise BrokerError(f"formatting node {node.node_id} failed:\n{tail_text(out, 20)}")
         self.format_seconds = time.monotonic() - started
 
     def _format(self, node: _Node) -> subprocess.Popen[str]:
@@ -583,7 +473,7 @@ class LocalCluster:
 
     def _wait_ready(self, deadline: float) -> None:
         for node in self._nodes:
-            while not _port_open(node.port, timeout=0.2):
+            while not port_open(node.port, timeout=0.2):
                 self._check_alive(node)
                 self._check_deadline(deadline, f"port {node.port} of node {node.node_id}")
                 time.sleep(0.1)
@@ -625,7 +515,7 @@ class LocalCluster:
             node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("node %d ignored SIGTERM; sending SIGKILL", node.node_id)
-            _signal_group(node.proc.pid, signal.SIGKILL)
+            signal_group(node.proc.pid, signal.SIGKILL)
             node.proc.wait(timeout=10.0)
 
     def _stop_at_exit(self) -> None:
@@ -649,164 +539,3 @@ def bootstrap_or_start(nodes: int = 1, timeout: float = 60.0) -> tuple[str, Loca
 # --------------------------------------------------------------------------------------------
 # CLI: rlbus broker start|stop|status
 # --------------------------------------------------------------------------------------------
-
-
-def state_dir() -> Path:
-    """Where ``rlbus broker`` keeps its state file and data: ``$RLBUS_HOME/broker``."""
-    home = os.environ.get("RLBUS_HOME")
-    root = Path(home).expanduser() if home else Path.home() / ".cache" / "rlbus"
-    return root / "broker"
-
-
-def _state_file() -> Path:
-    return state_dir() / "state.json"
-
-
-def _load_state() -> dict[str, Any] | None:
-    try:
-        state: dict[str, Any] = json.loads(_state_file().read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise BrokerError(f"unreadable state file {_state_file()}: {exc}") from exc
-    return state
-
-
-def _save_state(cluster: LocalCluster) -> None:
-    nodes = [
-        {"node_id": n.node_id, "pid": n.proc.pid if n.proc else None, "port": n.port,
-         "controller_port": n.controller_port, "config": str(n.config)}
-        for n in cluster._nodes
-    ]  # fmt: skip
-    state = {
-        "bootstrap": cluster.bootstrap, "kafka_version": cluster.version,
-        "data_dir": str(cluster.data_dir), "started_at": time.time(),
-        "startup_seconds": cluster.startup_seconds, "nodes": nodes,
-    }  # fmt: skip
-    tmp = _state_file().with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(_state_file())  # atomic: a reader never sees half a file
-
-
-def _pid_is_node(pid: int | None, config: str) -> bool:
-    """True if ``pid`` runs and is our Kafka node, not an unrelated process that reused it."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's process: certainly not a node we started
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if not cmdline.exists():
-        return True  # no /proc (macOS): trust the pid
-    try:
-        return config in cmdline.read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-
-
-def _live_nodes(state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [n for n in state["nodes"] if _pid_is_node(n["pid"], n["config"])]
-
-
-def _cmd_start(nodes: int, port: int | None) -> int:
-    state = _load_state()
-    if state is not None and _live_nodes(state):
-        print(state["bootstrap"])
-        print("rlbus broker: already running", file=sys.stderr)
-        return 0
-    state_dir().mkdir(parents=True, exist_ok=True)
-    # Each start is a fresh, empty cluster: dev data is disposable and a reformat avoids
-    # stale quorum state when the node count or ports change.
-    data = state_dir() / "cluster"
-    shutil.rmtree(data, ignore_errors=True)
-    base = DEFAULT_CLI_PORT if port is None else port
-    cluster = LocalCluster(nodes=nodes, data_dir=data, base_port=base)
-    cluster.start()
-    _save_state(cluster)
-    cluster.detach()
-    print(cluster.bootstrap)
-    print(
-        f"rlbus broker: {nodes} node(s) up in {cluster.startup_seconds:.1f} s; "
-        f"logs in {data}; stop with `rlbus broker stop`",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def _cmd_stop(timeout: float = 30.0) -> int:
-    state = _load_state()
-    if state is None:
-        print("rlbus broker: not running")
-        return 0
-    live = _live_nodes(state)
-    for node in live:
-        _signal_group(node["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_pid_is_node(n["pid"], n["config"]) for n in live):
-        time.sleep(0.2)
-    for node in live:
-        if _pid_is_node(node["pid"], node["config"]):
-            _signal_group(node["pid"], signal.SIGKILL)
-    _state_file().unlink(missing_ok=True)
-    print(f"rlbus broker: stopped {len(live)} node(s)")
-    return 0
-
-
-def _cmd_status() -> int:
-    state = _load_state()
-    if state is None:
-        print("rlbus broker: not running")
-        return 1
-    print(state["bootstrap"])
-    healthy = True
-    for node in state["nodes"]:
-        alive = _pid_is_node(node["pid"], node["config"])
-        reachable = alive and _port_open(int(node["port"]))
-        healthy = healthy and reachable
-        print(
-            f"node {node['node_id']}: pid {node['pid']} {'alive' if alive else 'dead'}, "
-            f"{LOOPBACK}:{node['port']} {'reachable' if reachable else 'unreachable'}"
-        )
-    return 0 if healthy else 1
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rlbus broker", description="Run a local Apache Kafka broker (needs Java 17+, Maven)."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    start = sub.add_parser("start", help="start in the background and print the bootstrap address")
-    start.add_argument("--nodes", type=int, choices=(1, 3), default=1)
-    start.add_argument(
-        "--port", type=int, default=None,
-        help=f"first broker port (default {DEFAULT_CLI_PORT}); node i uses P+2i and P+2i+1",
-    )  # fmt: skip
-    sub.add_parser("stop", help="stop the broker started by `start`")
-    sub.add_parser("status", help="print the bootstrap address and each node's health")
-    return parser
-
-
-def main(argv: Sequence[str]) -> int:
-    """``rlbus broker start|stop|status``; returns the process exit code."""
-    try:
-        args = _parser().parse_args(list(argv))
-    except SystemExit as exc:  # argparse exits on --help and on usage errors
-        return exc.code if isinstance(exc.code, int) else 2
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        if args.command == "start":
-            return _cmd_start(args.nodes, args.port)
-        if args.command == "stop":
-            return _cmd_stop()
-        return _cmd_status()
-    except BrokerError as exc:
-        print(f"rlbus broker: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

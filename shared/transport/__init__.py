@@ -1,0 +1,52 @@
+"""Typed publish/consume over Kafka, and an in-memory twin with the same interface.
+
+One concern a file: :mod:`.interfaces` (what services see), :mod:`.offsets` (ack-based
+commits), :mod:`.deadletter`, :mod:`.kafka` (aiokafka clients), :mod:`.diagnostics` (why a
+connection failed), :mod:`.memory` (the twin for unit tests), :mod:`.lag` (the lag metric).
+Service code imports from here and sees only :class:`Bus`, :class:`Producer` and
+:class:`Consumer`.
+"""
+
+from rlbus.transport.deadletter import DeadLetterSink
+from rlbus.transport.interfaces import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    FRAMING_BYTES,
+    AssignCallback,
+    BrokerConnectError,
+    BrokerTimeout,
+    Bus,
+    Consumer,
+    Delivery,
+    Headers,
+    MessageTooLargeError,
+    Producer,
+    RawRecord,
+    with_timeout,
+)
+from rlbus.transport.kafka import KafkaBus, admin_client, client_options
+from rlbus.transport.memory import MemoryBroker, MemoryBus
+from rlbus.transport.offsets import TP, OffsetTracker
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "FRAMING_BYTES",
+    "TP",
+    "AssignCallback",
+    "BrokerConnectError",
+    "BrokerTimeout",
+    "Bus",
+    "Consumer",
+    "DeadLetterSink",
+    "Delivery",
+    "Headers",
+    "KafkaBus",
+    "MemoryBroker",
+    "MemoryBus",
+    "MessageTooLargeError",
+    "OffsetTracker",
+    "Producer",
+    "RawRecord",
+    "admin_client",
+    "client_options",
+    "with_timeout",
+]
