@@ -32,7 +32,7 @@ jars: install java
 TYPECHECK := build/typecheck
 
 lint: install
-	$(BIN)/ruff check shared services tests loadtest
+	$(BIN)/ruff check shared services tests loadtest examples
 	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/rlbus
 	@ln -s $(CURDIR)/shared/* $(TYPECHECK)/rlbus/ && ln -s $(CURDIR)/services $(TYPECHECK)/rlbus/services
 	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p rlbus

@@ -2,8 +2,9 @@
 
 This is what synchronous verl does, in one process and without Kafka: every optimizer step
 waits for the slowest episode of its batch, and no episode runs while the learner trains.
-It shares the decoupled arm's latency models by reusing the same code — the synthetic
-environment (:class:`rlbus.synthetic.SyntheticTask`), the synthetic engine and tokenizer —
+It shares the decoupled arm's latency models by reusing the same code — the same agent
+(:class:`rlbus.agent.MultiTurnAgent`, the rollout tier's default), the synthetic environment
+(:class:`rlbus.synthetic.SyntheticTask`), the synthetic engine and tokenizer —
 and its resources: the same number of episodes in flight at once, the same engine batching
 (one batch loop per inference instance, the same batch size and wait) and the same step time.
 """
@@ -17,18 +18,20 @@ from typing import Any
 
 from loadtest.metrics import ArmResult
 from loadtest.scenario import Scenario
+from rlbus.agent import MultiTurnAgent
+from rlbus.api import Episode, Generation, TaskSpec
 from rlbus.messages import Sampling
-from rlbus.services.inference.engines import Engine, Generation, SyntheticEngine
+from rlbus.services.inference.engines import Completion, Engine, SyntheticEngine
 from rlbus.services.inference.settings import InferenceSettings, SyntheticEngineSettings
 from rlbus.services.rollout.service import SyntheticTokenizer
+from rlbus.services.rollout.settings import RolloutSettings
 from rlbus.synthetic import SyntheticTask
-from rlbus.tasks import TaskSpec
 
 
 @dataclass
 class _Call:
     input_ids: list[int]
-    answer: asyncio.Future[Generation] = field(
+    answer: asyncio.Future[Completion] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -41,10 +44,13 @@ class Batcher:
         self.max_batch, self.wait_s = max_batch, wait_ms / 1000
         self.queue: asyncio.Queue[_Call] = asyncio.Queue()
 
-    async def generate(self, input_ids: list[int]) -> Generation:
+    async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
+        """The :class:`rlbus.api.Policy` the agent plays against (one sampling per run)."""
         call = _Call(input_ids)
         self.queue.put_nowait(call)
-        return await call.answer
+        gen = await call.answer
+        return Generation(gen.completion_ids, gen.logprobs, self.engine.version,
+                          gen.finish_reason)
 
     async def serve(self) -> None:
         """One replica's loop: first request, wait for more, one engine batch, answer all."""
@@ -69,31 +75,26 @@ class SyncTrainer:
         settings = InferenceSettings.model_construct(
             engine="synthetic", seed=0, synthetic=SyntheticEngineSettings(**s.engine.model_dump())
         )
-        sampling = Sampling(max_new_tokens=s.max_new_tokens)
-        self.batcher = Batcher(SyntheticEngine(settings), sampling, s.inference.max_batch_size,
-                               s.inference.batch_wait_ms)
+        self.sampling = Sampling(max_new_tokens=s.max_new_tokens)
+        self.batcher = Batcher(SyntheticEngine(settings), self.sampling,
+                               s.inference.max_batch_size, s.inference.batch_wait_ms)
+        self.agent = MultiTurnAgent()
+        self.limits = RolloutSettings.model_construct()  # the rollout tier's defaults
         self.slots = asyncio.Semaphore(s.concurrency)
         self.specs = s.specs()  # the groups the learner's feeder would admit, in order
         self.rows: list[dict[str, Any]] = []
         self.trained = 0
 
     async def episode(self, spec: TaskSpec) -> float:
-        """One episode, as the rollout service plays it; returns the verified reward."""
+        """One episode, played by the rollout tier's agent; returns the verified reward."""
         async with self.slots:
-            env = self.task.make_env()
-            new_ids = self.tokenizer.encode(await env.reset(spec))
-            context: list[int] = []
-            actions: list[str] = []
-            for _ in range(self.task.max_turns):
-                context += new_ids
-                gen = await self.batcher.generate(context)
-                actions.append(self.tokenizer.decode(gen.completion_ids))
-                outcome = await env.step(actions[-1])
-                context += gen.completion_ids
-                if outcome.done:
-                    break
-                new_ids = self.tokenizer.encode(outcome.observation)
-        return self.task.score(spec, actions)
+            episode = Episode(task=self.task, spec=spec, env=self.task.make_env(),
+                              policy=self.batcher, tokenizer=self.tokenizer,
+                              sampling=self.sampling,
+                              max_context_tokens=self.limits.max_context_tokens,
+                              timeout_s=self.limits.env_timeout_s)
+            await self.agent.run(episode)
+        return self.task.score(spec, [t.action for t in episode.turns])
 
     async def run(self) -> ArmResult:
         servers = [asyncio.create_task(self.batcher.serve())

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlbus.api import TaskSpec
 from rlbus.synthetic import (
     SyntheticTask,
     episode_plan,
@@ -30,7 +31,6 @@ from rlbus.synthetic import (
     mean_turns,
     step_quantile_ms,
 )
-from rlbus.tasks import TaskSpec
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 

@@ -169,6 +169,19 @@ def _check_aligned(ids: list[int], logprobs: list[float]) -> None:
         raise ValueError("logprobs must be finite and <= 0")
 
 
+class ToolCall(BaseModel):
+    """A tool the agent ran in place of an environment step (see :mod:`rlbus.agent`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str
+    arguments: dict[str, Any] = {}
+    result: str = ""
+    error: str | None = None
+    """Why the call failed (unknown tool, bad arguments, exception, timeout); None if not."""
+    seconds: float = 0.0
+
+
 class Turn(BaseModel):
     """One turn of an episode, inside Trajectory.
 
@@ -188,6 +201,8 @@ class Turn(BaseModel):
     action: str = ""
     observation: str = ""
     env_reward: float = 0.0
+    tool_call: ToolCall | None = None
+    """Set when this turn's action was a tool call: its observation is the tool's answer."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:
@@ -239,6 +254,8 @@ class ScoredTrajectory(Message):
     valid: bool = True
     verifier: str = ""
     error: str | None = None
+    info: dict[str, Any] = {}
+    """What the verifier reported besides the reward (its Verdict's info)."""
 
     @field_validator("reward")
     @classmethod

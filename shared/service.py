@@ -63,6 +63,10 @@ class Service(ABC, Generic[S]):
     async def drain(self) -> None:
         """Finish or hand back in-flight work and commit; called once on the way out."""
 
+    async def close(self) -> None:
+        """Release what ``setup`` made besides Kafka clients; called last, even after a
+        failed setup."""
+
     # -- lifecycle
 
     @property
@@ -161,6 +165,10 @@ class Service(ABC, Generic[S]):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.bus.close()
+        try:
+            await self.close()
+        except Exception:
+            log.exception("%s close failed", self.member)
         log.info("%s", self.summary_line())
 
     def summary(self) -> dict[str, Any]:

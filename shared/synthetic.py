@@ -14,8 +14,7 @@ learner's ``RLBUS_TASK_SPEC``, which is merged over every sampled spec. The clos
 moments (:func:`mean_turns`, :func:`mean_step_s`) let a load test compute its ideal bound
 from the same spec the environments read.
 
-Stdlib only, like :mod:`rlbus.tasks`. Importing this module registers the task in
-``rlbus.tasks.TASKS``; ``rlbus.tasks`` imports it at its end, so either import order works.
+Stdlib only, like :mod:`rlbus.tasks`; registered as ``synthetic`` by entry point.
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ import hashlib
 import math
 import random
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Any
 
-from rlbus.tasks import TASKS, Env, StepOutcome, Task, TaskSpec
+from rlbus.api import Env, StepOutcome, Task, TaskSpec
 
 MAX_TURNS = 32
 """Upper bound on any episode's turns: the rollout loop runs at most ``Task.max_turns``."""
@@ -108,11 +107,10 @@ def episode_plan(spec: TaskSpec, k: int) -> list[float]:
     return [draw_step_s(rng, s) for _ in range(rng.randint(*turn_range(s)))]
 
 
-class SyntheticEnv:
+class SyntheticEnv(Env):
     """Sleeps through each step as its plan says; ends when the plan is played out."""
 
     def __init__(self) -> None:
-        self.tools: dict[str, Callable[..., Any]] = {}
         self._spec: TaskSpec = {}
         self._plan: list[float] = []
         self._actions: list[str] = []
@@ -154,9 +152,3 @@ class SyntheticTask(Task):
 
     def success(self, task: TaskSpec, actions: Sequence[str]) -> bool:
         return reward(task, actions) == 1.0
-
-    def vocabulary(self) -> set[str]:
-        return {"synthetic", "task", ":", "ok", "done"}
-
-
-TASKS.setdefault(SyntheticTask.name, SyntheticTask())

@@ -1,13 +1,14 @@
-"""Tasks: gym-like async environments and the verifiers that score them.
+"""The built-in tasks: guess_number, addition and python_tests, written against
+:mod:`rlbus.api` like any user's task and registered by entry point in rlbus's pyproject.
 
-The rollout service drives an `Env` (`reset(task)` → first observation, then `step(action)`
-per model turn); the reward service calls `Task.score(task, actions)`, which recomputes the
-outcome from the model's actions alone (the decoded completion texts, one per turn) and
-never trusts a reward the environment reported. Both read the same task spec, a
-JSON-serialisable dict produced by `Task.sample`, so a trajectory can be re-scored later.
+The rollout tier drives an :class:`~rlbus.api.Env` (``reset(spec)`` → first observation,
+then ``step(action)`` per model turn); the reward tier recomputes the outcome from the
+model's actions alone (the decoded completion texts, one per turn) and never trusts a
+reward the environment reported. Both read the same spec, which holds every parameter the
+score depends on, so a stored trajectory re-scores to the same reward.
 
-Texts are lowercase words, numbers and symbols separated by single spaces, so a word-level
-tokenizer round-trips them exactly (`Task.vocabulary` lists every word a task emits).
+Texts are lowercase words, numbers and symbols separated by single spaces, so the demo's
+word-level tokenizer round-trips them exactly.
 
 Stdlib only: rollout and reward import this module and must not pull in torch.
 """
@@ -17,65 +18,12 @@ from __future__ import annotations
 import math
 import random
 import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-TaskSpec = dict[str, Any]
+from rlbus.api import Env, StepOutcome, Task, TaskSpec
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What an environment answers to one action."""
-
-    observation: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class Env(Protocol):
-    """An async, gym-like environment; one instance per episode."""
-
-    tools: dict[str, Callable[..., Any]]
-
-    async def reset(self, task: TaskSpec) -> str:
-        """Start an episode; returns the first observation (the prompt text)."""
-        ...
-
-    async def step(self, action: str) -> StepOutcome:
-        """Apply one model turn (its decoded completion text)."""
-        ...
-
-
-class Task(ABC):
-    """A family of episodes: how to sample them, play them and verify them."""
-
-    name: str
-    max_turns: int
-
-    @abstractmethod
-    def sample(self, rng: random.Random) -> TaskSpec:
-        """A fresh task spec (JSON-serialisable)."""
-
-    @abstractmethod
-    def make_env(self) -> Env:
-        """A new environment for one episode."""
-
-    @abstractmethod
-    def score(self, task: TaskSpec, actions: Sequence[str]) -> float:
-        """The reward, recomputed from the actions alone."""
-
-    @abstractmethod
-    def success(self, task: TaskSpec, actions: Sequence[str]) -> bool:
-        """Whether the episode solved the task (a metric, free of reward shaping)."""
-
-    @abstractmethod
-    def vocabulary(self) -> set[str]:
-        """Every word (whitespace-separated token) this task's texts may contain."""
 
 
 # --------------------------------------------------------------------------- verifiers
@@ -149,11 +97,10 @@ def replay_guesses(task: TaskSpec, actions: Sequence[str]) -> GuessReplay:
     return GuessReplay(False, played, low, high)
 
 
-class GuessNumberEnv:
+class GuessNumberEnv(Env):
     """Guess a hidden integer; each wrong guess is answered "higher" or "lower"."""
 
     def __init__(self, task: GuessNumber) -> None:
-        self.tools: dict[str, Callable[..., Any]] = {}
         self._task = task
         self._spec: TaskSpec | None = None
         self._actions: list[str] = []
@@ -187,8 +134,9 @@ class GuessNumber(Task):
     range; the turn is spent) or "correct" (the episode ends). Episodes end after a correct
     guess or `max_turns` guesses; the final observation is never shown to the model.
 
-    Reward: 1.0 when the target is found within `max_turns`, else 0.0, plus
-    `progress_bonus` * (share of the log search space the guesses eliminated; 1 once found).
+    Reward: 1.0 when the target is found within `max_turns`, else 0.0, plus the spec's
+    `progress_bonus` * (share of the log search space the guesses eliminated; 1 once found);
+    the bonus travels in the spec (absent: 0), so re-scoring never depends on this class.
     The bonus is recomputable from the actions like the rest, gives a signal long before the
     first success, and credits each guess that halves the interval, so binary search is the
     best policy under both terms. `success` ignores it.
@@ -203,7 +151,7 @@ class GuessNumber(Task):
     def sample(self, rng: random.Random) -> TaskSpec:
         target = rng.randint(self.low, self.high)
         return {"target": target, "low": self.low, "high": self.high,
-                "max_turns": self.max_turns}
+                "max_turns": self.max_turns, "progress_bonus": self.progress_bonus}
 
     def make_env(self) -> Env:
         return GuessNumberEnv(self)
@@ -212,23 +160,19 @@ class GuessNumber(Task):
         game = replay_guesses(task, actions)
         space = task["high"] - task["low"] + 1
         progress = 1.0 - math.log(game.remaining()) / math.log(max(space, 2))
-        return float(game.found) + self.progress_bonus * progress
+        return float(game.found) + float(task.get("progress_bonus", 0.0)) * progress
 
     def success(self, task: TaskSpec, actions: Sequence[str]) -> bool:
         return replay_guesses(task, actions).found
-
-    def vocabulary(self) -> set[str]:
-        return {"guess", "a", "number", "from", "to", ":", HIGHER, LOWER, CORRECT, INVALID}
 
 
 # ---------------------------------------------------------------------------- addition
 
 
-class AdditionEnv:
+class AdditionEnv(Env):
     """One question, one answer."""
 
     def __init__(self, task: Addition) -> None:
-        self.tools: dict[str, Callable[..., Any]] = {}
         self._task = task
         self._spec: TaskSpec | None = None
 
@@ -265,15 +209,54 @@ class Addition(Task):
     def success(self, task: TaskSpec, actions: Sequence[str]) -> bool:
         return self.score(task, actions) == 1.0
 
-    def vocabulary(self) -> set[str]:
-        return {"+", "=", CORRECT, "wrong"}
+
+# ------------------------------------------------------------------------ python_tests
+
+_PROGRAMS = [
+    ("print the sum of two integers read from one line", [("1 2", "3"), ("-4 9", "5")]),
+    ("print the larger of two integers read from one line", [("3 8", "8"), ("7 -1", "7")]),
+    ("print the line read reversed", [("abc", "cba"), ("rl bus", "sub lr")]),
+]
+
+
+class PythonTestsEnv(Env):
+    """One turn: the model answers with a program; nothing runs here (the reward tier runs
+    it in the sandbox)."""
+
+    async def reset(self, spec: TaskSpec) -> str:
+        return f"write a python program : {spec['problem']}"
+
+    async def step(self, action: str) -> StepOutcome:
+        return StepOutcome("submitted", 0.0, True)
+
+
+@dataclass
+class PythonTests(Task):
+    """Write a program that passes stdin/stdout tests; scored by the ``python_tests``
+    verifier, which runs the program in the reward tier's sandbox. A spec from elsewhere
+    (e.g. ``rlbus feed``) may carry any problem and tests of the same shape."""
+
+    name: str = "python_tests"
+    max_turns: int = 1
+    verifier: str | None = "python_tests"
+
+    def sample(self, rng: random.Random) -> TaskSpec:
+        problem, tests = rng.choice(_PROGRAMS)
+        return {"problem": problem, "max_turns": 1,
+                "tests": [{"stdin": i, "expected": o} for i, o in tests]}
+
+    def make_env(self) -> Env:
+        return PythonTestsEnv()
+
+    def score(self, task: TaskSpec, actions: Sequence[str]) -> float:
+        from rlbus.services.reward.code_verifier import python_tests  # the sandbox: reward only
+
+        return python_tests(task, actions)
 
 
 # progress_bonus 1.0: a partial reward for narrowing the interval gives a signal long before
 # the first success; it made guess_number learnable in minutes (see GuessNumber).
-TASKS: dict[str, Task] = {
-    task.name: task for task in (GuessNumber(progress_bonus=1.0), Addition())
-}
-"""The built-in tasks by name (a `Prompt` names its task; the reward service looks it up)."""
-
-import rlbus.synthetic  # noqa: E402, F401  (registers "synthetic"; it subclasses Task above)
+guess_number = GuessNumber(progress_bonus=1.0)
+addition = Addition()
+python_tests = PythonTests()
+"""The instances rlbus's pyproject registers under the entry-point group ``rlbus.tasks``."""

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Generation:
+class Completion:
     """One completion."""
 
     completion_ids: list[int]
@@ -40,7 +40,7 @@ class Engine(ABC):
     version: int = 0
 
     @abstractmethod
-    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         """Complete every prompt with the same sampling parameters."""
 
     @abstractmethod
@@ -79,10 +79,10 @@ class HFEngine(Engine):
         eos = _first(gen.eos_token_id, self.model.config.eos_token_id)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
-    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         return await asyncio.to_thread(self._generate, prompts, sampling)
 
-    def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+    def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         torch = self.torch
         input_ids, attention = self._left_pad(prompts)
         greedy = sampling.temperature == 0.0
@@ -115,11 +115,11 @@ class HFEngine(Engine):
             mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _trim(self, ids: list[int], logprobs: list[float]) -> Generation:
+    def _trim(self, ids: list[int], logprobs: list[float]) -> Completion:
         for i, tok in enumerate(ids):
             if tok in self.eos_ids:
-                return Generation(ids[: i + 1], logprobs[: i + 1], "stop")
-        return Generation(ids, logprobs, "length")
+                return Completion(ids[: i + 1], logprobs[: i + 1], "stop")
+        return Completion(ids, logprobs, "length")
 
     async def load(self, uri: str, checksum: str, version: int) -> None:
         path = await asyncio.to_thread(verified_weights, uri, checksum)
@@ -146,13 +146,13 @@ class SyntheticEngine(Engine):
         self.cfg = settings.synthetic
         self.rng = random.Random(settings.seed)
 
-    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         n = min(self.cfg.completion_tokens, sampling.max_new_tokens)
         await asyncio.sleep((self.cfg.base_ms + self.cfg.per_token_ms * n) / 1000)
         lp = -math.log(self.cfg.vocab_size)
         vocab = self.cfg.vocab_size
         return [
-            Generation([self.rng.randrange(vocab) for _ in range(n)], [lp] * n, "stop")
+            Completion([self.rng.randrange(vocab) for _ in range(n)], [lp] * n, "stop")
             for _ in prompts
         ]
 

@@ -19,7 +19,7 @@ from typing import Any
 from rlbus import telemetry
 from rlbus.messages import Sampling, StepRequest, StepResult, WeightVersion
 from rlbus.service import Service
-from rlbus.services.inference.engines import Engine, Generation, make_engine
+from rlbus.services.inference.engines import Completion, Engine, make_engine
 from rlbus.services.inference.settings import InferenceSettings
 from rlbus.transport import Bus, Consumer, Delivery, Producer
 from rlbus.weights import ChecksumMismatchError
@@ -172,7 +172,7 @@ class Inference(Service[InferenceSettings]):
             self.bump("engine_errors")
             return [exc] * len(prompts)
 
-    def _result(self, req: StepRequest, gen: Generation | Exception, version: int) -> StepResult:
+    def _result(self, req: StepRequest, gen: Completion | Exception, version: int) -> StepResult:
         common: dict[str, Any] = {
             "request_id": req.request_id,
             "episode_id": req.episode_id,

@@ -12,9 +12,9 @@ import logging
 import random
 from typing import Any
 
+from rlbus.api import Task
 from rlbus.messages import Prompt, Sampling, ScoredTrajectory
 from rlbus.services.learner.settings import LearnerSettings
-from rlbus.tasks import Task
 from rlbus.transport import Producer
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Feeder:
         room = credit(self.next_index, step, s.max_staleness, s.groups_per_step)
         for _ in range(min(room, self.total - self.next_index)):
             i = self.next_index
-            prompt = Prompt(group_id=f"{s.run_name}/{i}", task=self.task.name,
+            prompt = Prompt(group_id=f"{s.run_name}/{i}", task=s.task,
                             spec=self._spec(f"{s.seed}/{i}"), group_size=s.group_size,
                             sampling=sampling, min_version=version)
             await self.producer.send(self.topic, prompt, key=prompt.group_id)
@@ -71,7 +71,7 @@ class Feeder:
         greedy = Sampling(temperature=0.0, max_new_tokens=self.settings.max_new_tokens)
         for k in range(self.settings.eval_episodes):
             prompt = Prompt(group_id=f"{self.settings.run_name}/eval{step}/{k}",
-                            task=self.task.name, spec=self._spec(f"eval/{k}"), group_size=1,
+                            task=self.settings.task, spec=self._spec(f"eval/{k}"), group_size=1,
                             sampling=greedy, min_version=version, purpose="eval",
                             eval_round=step)
             await self.producer.send(self.topic, prompt, key=prompt.group_id)
@@ -89,7 +89,8 @@ class Feeder:
         if len(results) < self.settings.eval_episodes:
             return None
         del self._evals[round_]
-        wins = [self.task.success(r.trajectory.spec, [t.action for t in r.trajectory.turns])
+        wins = [self.task.success(r.trajectory.spec,
+                                  [t.action for t in r.trajectory.turns if t.tool_call is None])
                 for r in results]
         figures = {
             "eval_at_step": round_,

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbus import telemetry
+from rlbus import plugins, telemetry
 from rlbus.messages import ScoredTrajectory, WeightVersion
 from rlbus.service import Service
 from rlbus.services.learner.feeder import Feeder
@@ -30,7 +30,6 @@ from rlbus.services.learner.groups import GroupAssembler
 from rlbus.services.learner.settings import LearnerSettings
 from rlbus.services.learner.store import load_checkpoint, save_checkpoint, save_weights
 from rlbus.services.learner.trainer import SyntheticTrainer, Trainer
-from rlbus.tasks import TASKS
 from rlbus.transport import TP, Bus, Consumer, Producer
 
 log = logging.getLogger(__name__)
@@ -41,8 +40,8 @@ class Learner(Service[LearnerSettings]):
 
     def __init__(self, settings: LearnerSettings, bus: Bus | None = None) -> None:
         super().__init__(settings, bus)
-        if settings.feed and settings.task not in TASKS:
-            raise ValueError(f"unknown task {settings.task!r}; built-in: {sorted(TASKS)}")
+        # an unknown task or a plugin that fails to import: a clear error before any work
+        self.task = plugins.task(settings.task) if settings.feed else None
         self.step = 0
         self.version = 0
         self.next_index = 0
@@ -73,8 +72,8 @@ class Learner(Service[LearnerSettings]):
             read_committed=True,  # reward publishes in transactions
             on_assign=self._seek_to_checkpoint,
         )
-        if self.settings.feed:
-            self.feeder = Feeder(self.settings, TASKS[self.settings.task], self.producer,
+        if self.task is not None:
+            self.feeder = Feeder(self.settings, self.task, self.producer,
                                  self.topics.prompts, self.next_index)
             self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)

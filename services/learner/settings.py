@@ -59,7 +59,8 @@ class LearnerSettings(ServiceSettings):
     feed: bool = True
     """Host the prompt feeder (False when prompts come from ``rlbus feed``)."""
     task: str = "guess_number"
-    """Built-in task the feeder samples."""
+    """The task the feeder samples: an ``rlbus.tasks`` entry point or an import string
+    ``package.module:attr``; prompts carry this reference as their task."""
     task_spec: dict[str, Any] = {}
     """Keys merged over every sampled task spec (e.g. a synthetic scenario's latencies)."""
     eval_every: int = Field(default=0, ge=0)

@@ -2,9 +2,10 @@
 
 Tests and the CPU demo need a model that loads like any real one
 (`AutoModelForCausalLM.from_pretrained(folder)`, `AutoTokenizer.from_pretrained(folder)`)
-without downloading anything. The vocabulary is every word of the built-in tasks plus the
-numbers 0..MAX_NUMBER, one token each, so a completion "7" is one token and the policy's
-action space stays small enough to learn from scratch with RL.
+without downloading anything. The vocabulary is the numbers 0..MAX_NUMBER and every word
+of the demo's tasks (:data:`TASK_WORDS`), one token each, so a completion "7" is one token
+and the policy's action space stays small enough to learn from scratch with RL; a user's
+task adds its own words (``words=``, ``rlbus model init --words``).
 
 Token format: the tokenizer never adds special tokens (no BOS, no EOS), so the ids of a
 prompt, of each completion and of each observation concatenate exactly as the agent loop
@@ -15,13 +16,12 @@ Decoding joins words with single spaces, so every task text round-trips exactly.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-from rlbus.tasks import TASKS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -36,16 +36,29 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
 }
 
 
-def vocabulary() -> list[str]:
-    """Special tokens first (stable ids 0..3), then numbers, then task words, sorted."""
+TASK_WORDS = frozenset({
+    "guess", "a", "number", "from", "to", ":", "higher", "lower", "correct", "invalid",  # guess
+    "+", "=", "wrong",  # addition
+    "synthetic", "task", "ok", "done",  # synthetic
+})
+"""Every word the texts of guess_number, addition and synthetic contain (a test plays them)."""
+
+
+def vocabulary(words: Iterable[str] = ()) -> list[str]:
+    """Special tokens first (stable ids 0..3), then numbers, then the task words, sorted,
+    then ``words`` not already in, sorted: extra words never move the ids of the others."""
     numbers = [str(n) for n in range(MAX_NUMBER + 1)]
-    words = sorted(set().union(*(task.vocabulary() for task in TASKS.values())) - set(numbers))
-    return SPECIAL_TOKENS + numbers + words
+    base = sorted(TASK_WORDS - set(numbers))
+    extra = sorted(set(words) - set(base) - set(numbers) - set(SPECIAL_TOKENS))
+    return SPECIAL_TOKENS + numbers + base + extra
 
 
-def build_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over `vocabulary()`, saved to `folder` and returned."""
-    vocab = {word: i for i, word in enumerate(vocabulary())}
+def build_tokenizer(folder: str | Path, words: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocabulary(words)`, saved to `folder` and returned."""
+    bad = [w for w in words if not w or any(c.isspace() for c in w)]
+    if bad:
+        raise ValueError(f"vocabulary words must be non-empty and without spaces: {bad[:5]}")
+    vocab = {word: i for i, word in enumerate(vocabulary(words))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Split on whitespace only: task texts separate every token by a space, and "-" or "."
     # inside a word must not be silently split into known pieces.
@@ -72,10 +85,11 @@ def _portable_tokenizer_class(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Save a random-init Llama and its tokenizer to `folder`; returns the folder."""
+def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0,
+                     words: Iterable[str] = ()) -> Path:
+    """Save a random-init Llama and its tokenizer (with ``words`` added) to `folder`."""
     folder = Path(folder)
-    tokenizer = build_tokenizer(folder)
+    tokenizer = build_tokenizer(folder, words)
     hidden, layers, heads, intermediate = SIZES[size]
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
+from rlbus import plugins
 from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.services.learner.groups import Group
 from rlbus.services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
 from rlbus.services.learner.settings import LearnerSettings
-from rlbus.tasks import TASKS
 
 
 def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
@@ -111,9 +111,8 @@ class Trainer:
     def _describe(self, samples: list[Sample]) -> dict[str, float]:
         valid = [s for s in samples if s.used]
         success = [
-            TASKS[t.task].success(t.spec, [turn.action for turn in t.turns])
+            _success(t.task, t.spec, [turn.action for turn in t.turns if turn.tool_call is None])
             for t in (s.scored.trajectory for s in valid)
-            if t.task in TASKS
         ]
         return {
             "episodes": len(samples),
@@ -170,3 +169,11 @@ class SyntheticTrainer:
 
     def restore(self, state: dict[str, Any]) -> None:
         return None
+
+
+def _success(task: str, spec: dict[str, Any], actions: list[str]) -> bool:
+    """The task's success metric; False for a task this process cannot load."""
+    try:
+        return plugins.task(task).success(spec, actions)
+    except plugins.PluginError:
+        return False

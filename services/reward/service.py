@@ -4,8 +4,9 @@ Delivery contract: consume-transform-produce in one Kafka transaction per batch.
 trajectories and the consumer offsets of the inputs they came from commit together or not
 at all, so a member killed mid-transaction leaves neither output nor progress behind and
 its successor (same ``transactional_id``, which fences the zombie) redoes the batch.
-Verifiers that raise or time out, failed episodes and unknown tasks produce a masked
-(``valid=False``) sample rather than a zero reward: the learner must not learn from them.
+Verifiers run in worker processes (:mod:`.pool`), killed at ``verifier_timeout_s``; those
+that raise or time out, failed episodes and unknown tasks produce a masked (``valid=False``)
+sample rather than a zero reward: the learner must not learn from them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import logging
 import math
 from typing import Any
 
-from rlbus import telemetry
+from rlbus import plugins, telemetry
 from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.service import Service
+from rlbus.services.reward.pool import VerifierFailed, VerifierPool
 from rlbus.services.reward.settings import RewardSettings
-from rlbus.services.reward.verifiers import resolve
 from rlbus.transport import Bus, Consumer, Delivery, Producer
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,13 @@ class Reward(Service[RewardSettings]):
 
     def __init__(self, settings: RewardSettings, bus: Bus | None = None) -> None:
         super().__init__(settings, bus)
+        self.pool = VerifierPool(settings.verifier_workers, settings.verifier_timeout_s)
 
     async def setup(self) -> None:
+        # a broken plugin is a startup error naming its entry point, not a masked sample each
+        for kind in ("task", "verifier"):
+            log.info("%ss: %s", kind, ", ".join(plugins.check_all(kind)))
+        self.pool.start()
         txn_id = self.settings.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
         self.producer: Producer = await self.bus.producer(transactional_id=txn_id)
         self.trajectories: Consumer[Trajectory] = await self.bus.consumer(
@@ -77,15 +83,18 @@ class Reward(Service[RewardSettings]):
         if t.status == "failed":
             return ScoredTrajectory(trajectory=t, reward=0.0, valid=False, error=t.error)
         try:
-            name, verify = resolve(t.task, t.spec)
-            actions = [turn.action for turn in t.turns]
-            reward = await asyncio.wait_for(
-                asyncio.to_thread(verify, t.spec, actions), self.settings.verifier_timeout_s
-            )
+            name, reward, valid, info = await self.pool.verify(t)
             if not math.isfinite(reward):
                 raise ValueError(f"verifier {name} returned {reward}")
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("episode %s masked: %s", t.episode_id, error)
-            return ScoredTrajectory(trajectory=t, reward=0.0, valid=False, error=error)
-        return ScoredTrajectory(trajectory=t, reward=float(reward), verifier=name)
+        except (VerifierFailed, ValueError) as exc:
+            error = str(exc) if isinstance(exc, VerifierFailed) else f"ValueError: {exc}"
+            log.warning("episode %s masked: %s", t.episode_id, error[:500])
+            return ScoredTrajectory(trajectory=t, reward=0.0, valid=False, error=error[:500])
+        return ScoredTrajectory(trajectory=t, reward=reward, valid=valid, verifier=name,
+                                info=info)
+
+    async def close(self) -> None:
+        self.pool.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "verifier_kills": self.pool.killed}

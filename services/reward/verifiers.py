@@ -1,49 +1,79 @@
-"""The verifier registry: which function scores a trajectory.
+"""Which verifier scores a trajectory, and the built-in ones.
 
-A task's own scorer (``rlbus.tasks.TASKS``) recomputes the outcome from the model's actions;
-a spec may instead name a generic verifier (``{"verifier": "exact_match", "answer": "42"}``)
-to score the final action against a reference, or run it as a program against tests in the
-sandbox (``{"verifier": "python_tests", "tests": [{"stdin": "1 2", "expected": "3"}]}``).
-Verifiers are plain functions ``(spec, actions) -> float``; the reward service runs them in a
-worker thread under a timeout.
+The spec may name a verifier (``{"verifier": "exact_match", "answer": "42"}``; an entry point
+of ``rlbus.verifiers`` or an import string); otherwise the task's own ``verifier``, if it
+names one; otherwise the task's ``score`` recomputes the outcome from the actions
+(:class:`TaskScore`). The reward tier runs whichever it is in a worker process
+(:mod:`.pool`), never on its event loop.
+
+Built-ins: ``exact_match`` and ``numeric`` compare the final action with ``spec["answer"]``;
+``python_tests`` runs it as a program against ``spec["tests"]`` in the sandbox
+(:mod:`.code_verifier`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
+from rlbus import plugins
+from rlbus.api import Task, Verdict, Verifier
+from rlbus.messages import Trajectory
 from rlbus.services.reward.code_verifier import python_tests
-from rlbus.tasks import TASKS, exact_match, numeric_answer
-
-Verifier = Callable[[dict[str, Any], Sequence[str]], float]
+from rlbus.tasks import exact_match, numeric_answer
 
 
-def _final_answer(check: Callable[[Any, str], float]) -> Verifier:
-    def verify(spec: dict[str, Any], actions: Sequence[str]) -> float:
-        return check(spec["answer"], actions[-1]) if actions else 0.0
-
-    return verify
+def _actions(t: Trajectory) -> list[str]:
+    return [turn.action for turn in t.turns if turn.tool_call is None]
 
 
-GENERIC: dict[str, Verifier] = {
-    "exact_match": _final_answer(lambda answer, text: exact_match(str(answer), text)),
-    "numeric": _final_answer(numeric_answer),
-    "python_tests": python_tests,  # model-written code, run only in the sandbox
-}
+class TaskScore(Verifier):
+    """A task's own ``score(spec, actions)``; tool-call turns are not actions."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    async def verify(self, trajectory: Trajectory) -> Verdict:
+        return Verdict(float(self.task.score(trajectory.spec, _actions(trajectory))))
 
 
-class UnknownVerifierError(LookupError):
-    """Neither the spec's verifier nor the task is registered."""
+class _FinalAnswer(Verifier):
+    def check(self, answer: str, text: str) -> float:
+        raise NotImplementedError
+
+    async def verify(self, trajectory: Trajectory) -> Verdict:
+        if "answer" not in trajectory.spec:
+            raise ValueError(f"{type(self).__name__} needs spec['answer']")
+        actions = _actions(trajectory)
+        answer = str(trajectory.spec["answer"])
+        return Verdict(self.check(answer, actions[-1]) if actions else 0.0)
 
 
-def resolve(task: str, spec: dict[str, Any]) -> tuple[str, Verifier]:
-    """The (name, function) that scores an episode of ``task`` with ``spec``."""
-    named = spec.get("verifier")
+class ExactMatch(_FinalAnswer):
+    """1.0 when the final action equals ``spec["answer"]`` up to surrounding whitespace."""
+
+    def check(self, answer: str, text: str) -> float:
+        return exact_match(answer, text)
+
+
+class NumericAnswer(_FinalAnswer):
+    """1.0 when the final action's last number equals ``spec["answer"]``."""
+
+    def check(self, answer: str, text: str) -> float:
+        return numeric_answer(answer, text)
+
+
+class PythonTestsVerifier(Verifier):
+    """Share of ``spec["tests"]`` the final action passes as a program, in the sandbox."""
+
+    async def verify(self, trajectory: Trajectory) -> Verdict:
+        actions = _actions(trajectory)
+        return Verdict(python_tests(trajectory.spec, actions))
+
+
+def resolve(t: Trajectory) -> tuple[str, Verifier]:
+    """The (name, verifier) that scores ``t``; raises :class:`rlbus.plugins.PluginError`."""
+    named = t.spec.get("verifier")
     if named is not None:
-        if named not in GENERIC:
-            raise UnknownVerifierError(f"unknown verifier {named!r}; known: {sorted(GENERIC)}")
-        return named, GENERIC[named]
-    if task not in TASKS:
-        raise UnknownVerifierError(f"no verifier for task {task!r}; known: {sorted(TASKS)}")
-    return task, TASKS[task].score
+        return str(named), plugins.verifier(str(named))
+    task = plugins.task(t.task)
+    if task.verifier is not None:
+        return task.verifier, plugins.verifier(task.verifier)
+    return t.task, TaskScore(task)

@@ -17,12 +17,12 @@ import time
 import zlib
 from typing import Any, Literal
 
-from rlbus import telemetry
+from rlbus import plugins, telemetry
+from rlbus.api import Agent, Env, Episode, Generation, StepOutcome, Task, TaskSpec
 from rlbus.codec import encode
-from rlbus.messages import Prompt, StepRequest, StepResult, Trajectory, Turn
+from rlbus.messages import Prompt, Sampling, StepRequest, StepResult, Trajectory, Turn
 from rlbus.service import Service
 from rlbus.services.rollout.settings import RolloutSettings
-from rlbus.tasks import TASKS, Env, Task
 from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer, RawRecord
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,39 @@ class SyntheticTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+class TracedEnv(Env):
+    """An episode's environment with ``env.reset``/``env.step`` spans of this member."""
+
+    def __init__(self, env: Env, member: str) -> None:
+        self.env, self.member = env, member
+        self.tools = env.tools
+        self.turn = 0
+
+    async def reset(self, spec: TaskSpec) -> str:
+        with telemetry.span("env.reset", self.member):
+            return await self.env.reset(spec)
+
+    async def step(self, action: str) -> StepOutcome:
+        with telemetry.span("env.step", self.member, attributes={"rlbus.turn": self.turn}):
+            self.turn += 1
+            return await self.env.step(action)
+
+
+class KafkaPolicy:
+    """The :class:`rlbus.api.Policy` of one episode: each generate is a StepRequest."""
+
+    def __init__(self, rollout: Rollout, prompt: Prompt, episode_id: str) -> None:
+        self.rollout, self.prompt, self.episode_id = rollout, prompt, episode_id
+        self.turn = 0
+
+    async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
+        result = await self.rollout._ask(self.episode_id, self.turn, input_ids, self.prompt,
+                                         sampling)
+        self.turn += 1
+        return Generation(result.completion_ids, result.logprobs, result.policy_version,
+                          result.finish_reason)
+
+
 def default_reply_partition(instance: str, partitions: int) -> int:
     number = int(instance) if instance.isdigit() else zlib.crc32(instance.encode())
     return number % partitions
@@ -83,6 +116,9 @@ class Rollout(Service[RolloutSettings]):
         self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
 
     async def setup(self) -> None:
+        # a broken plugin is a startup error naming its entry point
+        log.info("tasks: %s", ", ".join(plugins.check_all("task")))
+        self.agent: Agent = plugins.agent(self.settings.agent)
         if self.tokenizer is None and self.settings.tokenizer == "synthetic":
             self.tokenizer = SyntheticTokenizer()
         elif self.tokenizer is None:
@@ -125,11 +161,11 @@ class Rollout(Service[RolloutSettings]):
 
     async def _run_group(self, d: Delivery[Prompt]) -> None:
         prompt = d.message
-        task = TASKS.get(prompt.task)
         with d.processing() as prompt_span:
-            if task is None:
-                error = f"unknown task {prompt.task!r}; known: {sorted(TASKS)}"
-                await self._dead_letter(d, error)
+            try:
+                task = plugins.task(prompt.task)
+            except plugins.PluginError as exc:
+                await self._dead_letter(d, str(exc))
             else:
                 await asyncio.gather(
                     *(
@@ -205,45 +241,23 @@ class Rollout(Service[RolloutSettings]):
         )
 
     async def _play(self, task: Task, prompt: Prompt, episode_id: str, turns: list[Turn]) -> None:
-        """The agent loop: ask the policy, step the environment, until done."""
+        """One episode by the configured agent; ``turns`` keeps what it recorded."""
         assert self.tokenizer is not None
-        env: Env = task.make_env()
-        with telemetry.span("env.reset", self.member):
-            obs = await asyncio.wait_for(env.reset(prompt.spec), self.settings.env_timeout_s)
-        new_ids = self.tokenizer.encode(obs)
-        context: list[int] = []
-        for turn in range(task.max_turns):
-            context += new_ids
-            if len(context) + prompt.sampling.max_new_tokens > self.settings.max_context_tokens:
-                return
-            result = await self._ask(episode_id, turn, context, prompt)
-            action = self.tokenizer.decode(result.completion_ids)
-            with telemetry.span("env.step", self.member, attributes={"rlbus.turn": turn}):
-                outcome = await asyncio.wait_for(env.step(action), self.settings.env_timeout_s)
-            turns.append(
-                Turn(
-                    input_ids=new_ids,
-                    completion_ids=result.completion_ids,
-                    logprobs=result.logprobs,
-                    policy_version=result.policy_version,
-                    finish_reason=result.finish_reason,
-                    action=action,
-                    observation=outcome.observation,
-                    env_reward=outcome.reward,
-                )
-            )
-            context += result.completion_ids
-            if outcome.done:
-                return
-            new_ids = self.tokenizer.encode(outcome.observation)
+        await self.agent.run(Episode(
+            task=task, spec=prompt.spec, env=TracedEnv(task.make_env(), self.member),
+            policy=KafkaPolicy(self, prompt, episode_id), tokenizer=self.tokenizer,
+            sampling=prompt.sampling, max_context_tokens=self.settings.max_context_tokens,
+            timeout_s=self.settings.env_timeout_s, turns=turns,
+        ))
 
-    async def _ask(self, episode_id: str, turn: int, context: list[int], p: Prompt) -> StepResult:
+    async def _ask(self, episode_id: str, turn: int, context: list[int], p: Prompt,
+                   sampling: Sampling) -> StepResult:
         request = StepRequest(
             request_id=f"{episode_id}/t{turn}",
             episode_id=episode_id,
             turn=turn,
             input_ids=context,
-            sampling=p.sampling,
+            sampling=sampling,
             reply_partition=self.reply_partition,
             min_version=p.min_version,
         )

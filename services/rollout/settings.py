@@ -32,6 +32,11 @@ class RolloutSettings(ServiceSettings):
     step_retries: int = Field(default=3, ge=0)
     """Re-sends before the episode is published as failed (and masked by the learner)."""
     env_timeout_s: float = Field(default=30.0, gt=0)
-    """Longest an environment's reset or step may take before the episode fails."""
+    """Longest an environment's reset or step may take before the episode fails; a tool
+    call past it gives an error observation instead."""
     max_context_tokens: int = Field(default=4096, ge=16)
-    """An episode whose context would exceed this ends (finish_reason length)."""
+    """An episode whose next generation would not fit in this context ends after its last
+    complete turn (it is scored as it stands)."""
+    agent: str = "multi_turn"
+    """The agent that plays each episode: an ``rlbus.agents`` entry point or an import
+    string ``package.module:attr`` (docs/extending.md)."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import msgpack
 import pytest
 
+from rlbus.api import StepOutcome
 from rlbus.codec import encode
 from rlbus.messages import DeadLetter, Prompt, ScoredTrajectory, Trajectory
 from rlbus.services.inference.service import Inference
@@ -20,7 +21,7 @@ from rlbus.services.reward.settings import RewardSettings
 from rlbus.services.rollout.service import Rollout
 from rlbus.services.rollout.settings import RolloutSettings
 from rlbus.settings import TopicSettings
-from rlbus.tasks import TASKS, GuessNumber, StepOutcome
+from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, memory_broker
 from rlbus.transport import MemoryBroker, MemoryBus
 from tests import factories
@@ -68,17 +69,20 @@ class BrokenTask(GuessNumber):
         return super().score(task, actions)
 
 
+MODES = ("reset-raises", "step-hangs", "step-raises", "score-raises", "score-hangs", "score-nan")
+for _mode in MODES:  # module attributes, so the import string finds them in any process
+    globals()[_mode.replace("-", "_").upper()] = BrokenTask(_mode, _mode)
+
+
+def ref(task: str) -> str:
+    """The task reference prompts and trajectories carry: an import string for the broken
+    tasks (the reward tier's verifier processes import them), the entry point otherwise."""
+    return f"{__name__}:{task.replace('-', '_').upper()}" if task in MODES else task
+
+
 @pytest.fixture
-def broken_tasks(monkeypatch):
-    for mode in (
-        "reset-raises",
-        "step-hangs",
-        "step-raises",
-        "score-raises",
-        "score-hangs",
-        "score-nan",
-    ):
-        monkeypatch.setitem(TASKS, mode, BrokenTask(mode, mode))
+def broken_tasks():
+    return MODES
 
 
 def _read(broker: MemoryBroker, topic: str, cls):
@@ -112,7 +116,7 @@ async def test_environments_that_raise_or_hang_fail_their_episode_only(broken_ta
     broker = memory_broker(TOPICS)
     producer = await MemoryBus(broker).producer()
     for task in ("reset-raises", "step-raises", "step-hangs", "guess_number"):
-        await producer.send(T.prompts, _prompt(task, f"g-{task}"))
+        await producer.send(T.prompts, _prompt(ref(task), f"g-{task}"))
     rollout = Rollout(
         RolloutSettings(topics=TOPICS, tokenizer="synthetic", env_timeout_s=0.5),
         MemoryBus(broker),
@@ -143,13 +147,14 @@ async def test_verifiers_that_raise_hang_or_return_nan_mask_their_sample(broken_
     tasks = ["score-raises", "score-hangs", "score-nan", "guess_number"]
     for i, task in enumerate(tasks):
         t = factories.trajectory(f"g{i}", 0).model_copy(
-            update={"task": task, "spec": GuessNumber().sample(random.Random(i))}
+            update={"task": ref(task), "spec": GuessNumber().sample(random.Random(i))}
         )
         await producer.send(T.trajectories, t)
     reward = Reward(RewardSettings(topics=TOPICS, verifier_timeout_s=0.5), MemoryBus(broker))
     await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 4)
 
-    scored = {s.trajectory.task: s for s in _read(broker, T.scored, ScoredTrajectory)}
+    by_ref = {ref(task): task for task in tasks}
+    scored = {by_ref[s.trajectory.task]: s for s in _read(broker, T.scored, ScoredTrajectory)}
     assert scored["guess_number"].valid
     for task, needle in (
         ("score-raises", "ZeroDivisionError: verifier bug"),
