@@ -266,7 +266,8 @@ class ScoredTrajectory(Message):
 
 
 class WeightVersion(Message):
-    """learner → every inference replica and rollout instance (compacted, keyed by model).
+    """learner → every inference replica, and the learner itself on restart (compacted, keyed
+    by model). Rollout does not read it: the staleness gate is at inference.
 
     The weights live at ``uri`` (a safetensors folder); ``checksum`` is the sha256 of the
     safetensors file, checked before loading.

@@ -1,4 +1,4 @@
-"""The native Kafka broker (shared/broker.py) against real JVMs, through aiokafka."""
+"""The native Kafka broker (services/ops/broker/) against real JVMs, through aiokafka."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Services against a broker that only speaks SASL_SSL with SCRAM-SHA-512 (shared/secure_broker.py).
+"""Services against a broker that only speaks SASL_SSL with SCRAM-SHA-512
+(tests/support/secure_broker.py).
 
 The broker is always started here (never ``$RLBUS_KAFKA_BOOTSTRAP``): an external broker is not
 known to be secured, and the tests need to know its users. Every failure case runs under a hard

@@ -1,6 +1,6 @@
 """A local Kafka broker that only speaks SASL_SSL with SCRAM-SHA-512, for security tests.
 
-Why a separate module: shared/broker.py runs a PLAINTEXT broker; production brokers require
+Why a separate module: services/ops/broker/ runs a PLAINTEXT broker; production brokers require
 TLS and SCRAM, so the services must be proven against that too. This module adds, on top of
 ``LocalCluster``:
 
