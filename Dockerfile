@@ -26,6 +26,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # Non-root user. The /data folders are created here, owned by that user, because Docker
 # initialises an empty named volume from the image folder it is mounted on (contents and
 # ownership): volumes mounted at these paths are then writable without running as root.
+# bubblewrap: the reward tier's code sandbox (python_tests) runs each program in its own
+# namespaces with a read-only minimal root; without it the sandbox refuses to run anything.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin rlbus \
     && mkdir -p /data/model /data/weights /data/learner \
     && chown -R rlbus:rlbus /data

@@ -9,9 +9,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit integration lint loadtest up down install jars java clean
+.PHONY: demo test unit integration lint loadtest up down install jars java bwrap clean
 
-install: $(STAMP)
+install: $(STAMP) bwrap
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ java:
 	@command -v java >/dev/null && command -v mvn >/dev/null || { \
 	  echo "installing Java 17 and Maven (apt-get)"; \
 	  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null; }
+
+bwrap:
+	@command -v bwrap >/dev/null || { \
+	  echo "installing bubblewrap for the code sandbox (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
 
 jars: install java
 	$(BIN)/python -c "from rlbus.services.ops.broker import resolve_jars; print('kafka jars:', resolve_jars())"

@@ -1,38 +1,47 @@
 """Run untrusted (model-generated) Python in a throwaway, resource-limited process.
 
-Each run gets a fresh ``python -I`` process in a new temporary directory (always removed),
-a minimal environment and its own session, so the whole process group can be killed. In the
-forked child, before ``exec``, it also gets:
+Each run gets a fresh ``python -I`` process under bubblewrap (``bwrap``), in a new temporary
+directory (always removed), with a minimal environment and its own session, so the whole
+process group can be killed. In the forked child, before ``exec``, it gets:
 
-- a new, empty network namespace (``unshare(CLONE_NEWNET)``; loopback down, no routes);
 - ``no_new_privs``, so setuid binaries cannot regain privileges;
 - when the service runs as root: an unprivileged uid/gid of its own (``UID_BASE`` + a slot
   per concurrent run). Root ignores ``RLIMIT_NPROC`` and file permissions, so as root a run
   is never started without this drop. A uid per run also lets the final sweep kill every
-  process of that uid (children that left the process group with ``setsid``) without
-  touching the service or another run;
-- rlimits: CPU seconds, address space, file size, open files, processes, no core dumps.
+  process of that uid without touching the service or another run;
+- rlimits: CPU seconds, address space, file size, open files, processes (bwrap's own two
+  processes count), no core dumps.
 
+bwrap then puts the program in new user, mount, pid, network, IPC, UTS and cgroup
+namespaces (no further user namespaces allowed inside) and it sees only:
+
+- ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` that lead into it), ``/etc/ld.so.cache``
+  and the interpreter's own install prefix when it lies outside ``/usr``, all read-only,
+  on a root that is itself read-only;
+- its work directory (the program; ``HOME`` and ``TMPDIR``), a private ``/tmp`` and
+  ``/dev/shm`` (tmpfs, ``_TMP_MB`` each), a minimal ``/dev``;
+- a fresh ``/proc`` of its own pid namespace: no other process is visible, so none can be
+  signalled or have its environment read, and every process of the run dies with it;
+- no network: a namespace with only its own loopback.
+
+Without ``bwrap`` (or where it cannot create its namespaces) nothing runs: ``SandboxError``.
 What the host allows is found once by trial runs (``detect_isolation``) and each result says
 what applied (``network_isolated``, ``uid``). Without a network namespace the program runs
 under an audit hook that refuses sockets other than ``AF_UNIX``, name lookups, ``ctypes`` and
 spawning programs: a guard against accidental network use, not against code written to
-escape it. A service that is not root creates the network namespace inside a new user
-namespace; its runs keep the service's uid, so a program could signal the service, and
-children that leave the process group are not swept (the wall timeout does not reach them).
+escape it. A service that is not root keeps its uid for its runs; their pid namespace still
+hides the service from them.
 
-Not contained in any mode: reads of world-readable files, writes to world-writable
-directories such as ``/tmp`` (each file bounded by ``RLIMIT_FSIZE``, not their number), and
-disk use in the work directory (bounded per file, not in total) until the run ends.
+Not contained: disk use in the work directory (bounded per file by ``RLIMIT_FSIZE``, not in
+total) until the run ends, and reads of what the read-only system directories hold (the
+interpreter's installed packages, for one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import fcntl
 import functools
-import itertools
 import logging
 import os
 import resource
@@ -42,12 +51,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
+
+from rlbus.services.reward.sandbox_uids import (
+    _UIDS,
+    SandboxError,
+    _kill_all,
+    _tasks_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +76,13 @@ PR_SET_NO_NEW_PRIVS = 38
 _READ_CHUNK = 65536
 _FILE_MB = 16
 _OPEN_FILES = 64
+_TMP_MB = 64
+"""Size of the private ``/tmp`` and of ``/dev/shm``: both are memory no rlimit counts."""
+
+SEARCH_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""Where ``bwrap`` and the system ``python3`` are looked up (never the service's ``PATH``)."""
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""What a run sees of the host, read-only; on a merged-/usr system all but /usr are links."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.unshare.argtypes = [ctypes.c_int]
@@ -89,16 +111,13 @@ exec(_code, {"__name__": "__main__", "__file__": sys.argv[0], "__builtins__": __
 """
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed, not the program: the sample must not be scored."""
-
-
 @dataclass(frozen=True)
 class Isolation:
     """How runs are isolated on this host (see ``detect_isolation``)."""
 
     python: str
-    """Interpreter the program runs under; it must be executable by the sandbox uid."""
+    """Interpreter the program runs under; the sandbox uid must be able to reach it (bwrap
+    binds it into the run as that uid)."""
     uid_base: int | None
     """Runs get uid ``uid_base + slot``; None: they keep the service's uid."""
     network_namespace: bool
@@ -110,7 +129,8 @@ class SandboxResult:
     """What one run of a program did."""
 
     returncode: int
-    """Exit status; negative: killed by that signal."""
+    """Exit status; negative: killed by that signal (bwrap reports that as 128 + signal, so a
+    program's own exit status above 128 reads as a signal too)."""
     stdout: str
     stderr: str
     """Both decoded as UTF-8 (invalid bytes replaced), each at most ``max_output_bytes``."""
@@ -159,13 +179,19 @@ def run_python(
     itself raises (``SandboxError``).
     """
     limits = _Limits(timeout_s, cpu_s, memory_mb, max_processes, max_output_bytes)
-    iso = isolation or detect_isolation()
+    return _run_program(code, stdin, limits, isolation or detect_isolation(), confine=True)
+
+
+def _run_program(code: str, stdin: str, limits: _Limits, iso: Isolation, *,
+                 confine: bool) -> SandboxResult:
+    """``confine=False`` leaves out bwrap (no mount or pid namespace): only
+    ``loadtest/sandbox_bench.py`` uses it, to measure what the confinement costs."""
     with _UIDS.lease(iso.uid_base) as uid, _workdir(uid) as work, tempfile.TemporaryFile() as f:
         with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as main:
             main.write(code)
         f.write(stdin.encode())
         f.seek(0)
-        return _run(iso, uid, work, f, limits)
+        return _run(iso, uid, work, f, limits, confine)
 
 
 async def run_python_async(code: str, **options: Any) -> SandboxResult:
@@ -178,10 +204,10 @@ async def run_python_async(code: str, **options: Any) -> SandboxResult:
     return await asyncio.to_thread(run_python, code, **options)
 
 
-def _run(iso: Isolation, uid: int | None, work: str, stdin: IO[bytes],
-         limits: _Limits) -> SandboxResult:
+def _run(iso: Isolation, uid: int | None, work: str, stdin: IO[bytes], limits: _Limits,
+         confine: bool) -> SandboxResult:
     start = time.monotonic()
-    proc = _spawn(iso, uid, work, stdin, limits)
+    proc = _spawn(iso, uid, work, stdin, limits, confine)
     swept = False
 
     def sweep() -> None:
@@ -196,27 +222,37 @@ def _run(iso: Isolation, uid: int | None, work: str, stdin: IO[bytes],
             _kill_all(proc.pid, uid)  # before wait(): a reaped leader's pgid could be reused
         proc.wait()
     stderr = err.decode("utf-8", "replace")
+    returncode = _program_status(proc.returncode) if confine else proc.returncode
     return SandboxResult(
-        returncode=proc.returncode,
+        returncode=returncode,
         stdout=out.decode("utf-8", "replace"),
         stderr=stderr,
         duration_s=time.monotonic() - start,
-        limit=limit or _limit_of(proc.returncode, stderr),
+        limit=limit or _limit_of(returncode, stderr),
         network_isolated=iso.network_namespace,
         uid=uid,
     )
 
 
-def _spawn(iso: Isolation, uid: int | None, work: str, stdin: IO[bytes],
-           limits: _Limits) -> subprocess.Popen[bytes]:
+def _program_status(status: int) -> int:
+    """The program's exit status from bwrap's, which reports death by signal N as 128 + N
+    (so an exit status above 128 reads as that signal, as in a shell)."""
+    if 128 < status <= 128 + signal.NSIG:
+        return -(status - 128)
+    return status
+
+
+def _spawn(iso: Isolation, uid: int | None, work: str, stdin: IO[bytes], limits: _Limits,
+           confine: bool) -> subprocess.Popen[bytes]:
     guard = () if iso.network_namespace else ("-c", _GUARD)
-    flags = _unshare_flags(iso)
+    confinement = [_find_bwrap(), *_bwrap_options(iso, work), "--"] if confine else []
+    flags = 0 if confine else _unshare_flags(iso)
     setup = functools.partial(_enter_sandbox, flags, uid, _rlimits(limits, uid, flags))
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work,
+    env = {"PATH": SEARCH_PATH, "HOME": work, "TMPDIR": work,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     try:
         return subprocess.Popen(
-            [iso.python, "-I", *guard, "main.py"], cwd=work, env=env, stdin=stdin,
+            [*confinement, iso.python, "-I", *guard, "main.py"], cwd=work, env=env, stdin=stdin,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=setup,  # thread-safe as written: see _enter_sandbox
         )
@@ -245,7 +281,54 @@ def _enter_sandbox(unshare_flags: int, uid: int | None,
         resource.setrlimit(which, value)
 
 
+def _find_bwrap() -> str:
+    """Path of ``bwrap``; without it no program runs (``SandboxError``), never unconfined."""
+    path = shutil.which("bwrap", path=SEARCH_PATH)
+    if path is None:
+        raise SandboxError(
+            f"bubblewrap (bwrap) is not installed (looked in {SEARCH_PATH}): the sandbox does "
+            "not run programs without it; install it with `apt-get install bubblewrap`")
+    return path
+
+
+def _bwrap_options(iso: Isolation, work: str) -> list[str]:
+    """bwrap's namespaces and the run's whole filesystem (see the module docstring)."""
+    tmpfs_size = str(_TMP_MB << 20)
+    return [
+        "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+        "--unshare-cgroup-try", *(["--unshare-net"] if iso.network_namespace else []),
+        "--disable-userns", "--die-with-parent", "--hostname", "sandbox",
+        *_host_mounts(iso.python),
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", tmpfs_size, "--tmpfs", "/tmp", "--size", tmpfs_size, "--tmpfs", "/dev/shm",
+        "--bind", work, work, "--chdir", work,
+        "--remount-ro", "/dev", "--remount-ro", "/",  # not recursive: the mounts above stay
+    ]
+
+
+@functools.cache
+def _host_mounts(python: str) -> tuple[str, ...]:
+    mounts: list[str] = []
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            mounts += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            mounts += ["--ro-bind", path, path]
+    # An interpreter outside the system directories (conda, pyenv) brings its prefix, unless
+    # that is "/" itself.
+    prefix = os.path.dirname(os.path.dirname(python))
+    if prefix != "/" and not any(_is_under(python, path) for path in _SYSTEM_DIRS):
+        mounts += ["--ro-bind", prefix, prefix]
+    return (*mounts, "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache")
+
+
+def _is_under(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
 def _unshare_flags(iso: Isolation) -> int:
+    """Namespaces the forked child creates itself: only on the unconfined path (benchmark),
+    as the sandbox did before bwrap; bwrap creates them otherwise."""
     if not iso.network_namespace:
         return 0
     # Without root a network namespace needs a user namespace of its own to own it.
@@ -256,8 +339,10 @@ def _rlimits(limits: _Limits, uid: int | None,
              unshare_flags: int) -> list[tuple[int, tuple[int, int]]]:
     nproc = limits.max_processes
     if uid is None and not unshare_flags & CLONE_NEWUSER:
-        # The limit counts every task of the uid, the service's own included; a new user
-        # namespace counts only the tasks created inside it.
+        # The limit counts every task of the uid, the service's own included. bwrap's user
+        # namespace does not change that: it is made after the limit is set, and the kernel
+        # checks the count of each enclosing namespace against the limit its creator had.
+        # Only a user namespace made before the limit is set counts just its own tasks.
         nproc += _tasks_of(os.getuid())
     memory = limits.memory_mb << 20
     return [
@@ -322,137 +407,6 @@ def _limit_of(returncode: int, stderr: str) -> str | None:
     return None
 
 
-def _kill_all(pgid: int | None, uid: int | None) -> None:
-    """SIGKILL the run's process group and, with a uid of its own, every process of that uid."""
-    if pgid is not None:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-    if uid is None:
-        return
-    for _ in range(100):  # a fork bomb forks between scans; killed processes fork no more
-        pids = _pids_of(uid)
-        if not pids:
-            return
-        for pid in pids:
-            _kill_if_owned(pid, uid)
-    raise SandboxError(f"processes of sandbox uid {uid} survive SIGKILL")
-
-
-def _kill_if_owned(pid: int, uid: int) -> None:
-    # The pidfd pins the process, so a pid reused after the scan is never signalled.
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        if _status_uid(pid) == uid:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _proc_status(pid: str | int) -> tuple[int, bytes, int] | None:
-    """(real uid, state letter, threads) of a process; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            data = f.read()
-    except OSError:  # exited since the listing
-        return None
-    return int(_field(data, b"Uid")), _field(data, b"State"), int(_field(data, b"Threads"))
-
-
-def _field(status: bytes, name: bytes) -> bytes:
-    start = status.index(b"\n" + name + b":") + len(name) + 2
-    return status[start:status.index(b"\n", start)].split()[0]
-
-
-def _status_uid(pid: int) -> int | None:
-    status = _proc_status(pid)
-    return status[0] if status else None
-
-
-def _statuses() -> Iterator[tuple[int, int, bytes, int]]:
-    """(pid, real uid, state letter, threads) of every process."""
-    for name in os.listdir("/proc"):
-        status = _proc_status(name) if name.isdigit() else None
-        if status:
-            yield (int(name), *status)
-
-
-def _pids_of(uid: int, *, zombies: bool = False) -> list[int]:
-    """Processes whose real uid is ``uid``; zombies only if asked (they cannot be killed)."""
-    return [pid for pid, owner, state, _ in _statuses()
-            if owner == uid and (zombies or state != b"Z")]
-
-
-def _tasks_of(uid: int) -> int:
-    """Tasks (threads) of ``uid``: what RLIMIT_NPROC counts."""
-    return sum(threads for _, owner, _, threads in _statuses() if owner == uid)
-
-
-class _UidPool:
-    """A uid per concurrent run: limits, file permissions and the sweep never cross runs.
-
-    Other processes on the host (a second reward instance, a test run) draw from the same
-    uids, so a slot is also held by an ``flock`` on a file named after it; the kernel drops
-    the lock when its holder dies. A uid whose killed processes are still zombies (PID 1
-    reaps them in its own time) is set aside until they are gone, because RLIMIT_NPROC
-    counts zombies too.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy: set[int] = set()
-        self._unreaped: set[int] = set()
-
-    @contextmanager
-    def lease(self, base: int | None) -> Iterator[int | None]:
-        if base is None:
-            yield None
-            return
-        with self._lock:
-            self._unreaped = {u for u in self._unreaped if _pids_of(u, zombies=True)}
-            uid, fd = self._claim(base)
-        try:
-            yield uid
-        finally:
-            with self._lock:
-                self._busy.discard(uid)
-                if _pids_of(uid, zombies=True):
-                    self._unreaped.add(uid)
-                os.close(fd)  # releases the flock
-
-    def _claim(self, base: int) -> tuple[int, int]:
-        for uid in itertools.count(base):
-            if uid in self._busy or uid in self._unreaped:
-                continue
-            fd = _flock(os.path.join(tempfile.gettempdir(), f"rlbus-sandbox-uid-{uid}.lock"))
-            if fd is not None:
-                self._busy.add(uid)
-                return uid, fd
-        raise AssertionError("unreachable")
-
-
-def _flock(path: str) -> int | None:
-    """An fd holding an exclusive lock on ``path``; None if another process holds it."""
-    try:
-        # O_NOFOLLOW: a program could plant a link here, /tmp being writable by everyone.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-_UIDS = _UidPool()
-
-
 @contextmanager
 def _workdir(uid: int | None) -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="rlbus-sandbox-")
@@ -477,35 +431,45 @@ def _make_removable(path: str) -> None:
 
 @functools.cache
 def detect_isolation() -> Isolation:
-    """The strongest isolation this host allows, found once by trial runs (~20 ms each)."""
+    """The strongest isolation this host allows, found once by trial runs (~25 ms each).
+
+    Raises ``SandboxError`` when bwrap is missing or no trial run works: programs then go
+    unscored, never unconfined.
+    """
+    _find_bwrap()
+    failures = []
     for iso in _candidates():
-        if _works(iso):
+        failure = _trial(iso)
+        if failure is None:
             level = log.info if iso.network_namespace and iso.uid_base is not None else log.warning
             level("sandbox isolation: %s", iso)
             return iso
+        log.debug("sandbox candidate %s fails: %s", iso, failure)
+        failures.append(f"{iso}: {failure}")
     raise SandboxError(
-        "no Python interpreter runs in the sandbox on this host (as root it must be "
-        f"executable by an unprivileged uid: tried {[c.python for c in _candidates()]})")
+        "no Python interpreter runs in the sandbox on this host (bwrap binds it as the "
+        "sandbox uid, so as root that uid must be able to reach it); tried:\n"
+        + "\n".join(failures))
 
 
 def _candidates() -> Iterator[Isolation]:
     # The venv's interpreter resolved to its base install: sandboxed code must not import
     # the service's packages, and a root-only home (pyenv under /root) may hide it from the
     # sandbox uid, hence the system interpreters as alternatives.
-    found = [sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")]
+    found = [sys.executable, shutil.which("python3", path=SEARCH_PATH)]
     pythons = list(dict.fromkeys(os.path.realpath(p) for p in found if p))
     # Root never runs a program as itself: it ignores RLIMIT_NPROC, so a fork bomb would
-    # only stop at the wall timeout and children that left the process group never.
+    # only stop at the wall timeout.
     base = UID_BASE if os.geteuid() == 0 else None
     for net in (True, False):
         for python in pythons:
             yield Isolation(python, base, net)
 
 
-def _works(iso: Isolation) -> bool:
+def _trial(iso: Isolation) -> str | None:
+    """Why a trial run under ``iso`` fails (bwrap's own message, typically); None: it works."""
     try:
         result = run_python("import math, json", timeout_s=10, isolation=iso)
     except SandboxError as exc:
-        log.debug("sandbox candidate %s fails: %s", iso, exc)
-        return False
-    return result.ok
+        return str(exc)
+    return None if result.ok else (result.stderr.strip() or f"exit status {result.returncode}")
