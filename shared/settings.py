@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlbus.limits import Limits
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -125,6 +127,9 @@ class ServiceSettings(BaseSettings):
     group: str = ""
     """Consumer group; default ``<topic prefix>.<tier>``, so runs under different prefixes
     on one cluster never share a group."""
+    limits: Limits = Limits()
+    """Operator limits on what a message may ask for (``RLBUS_LIMITS__*``); over one, the
+    message is dead-lettered before any work starts."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level."""
     max_messages: int | None = None

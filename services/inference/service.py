@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from rlbus import telemetry
+from rlbus.limits import check_step
 from rlbus.messages import Sampling, StepRequest, StepResult, WeightVersion
 from rlbus.service import Service
 from rlbus.services.inference.engines import Completion, Engine, make_engine
@@ -119,6 +120,10 @@ class Inference(Service[InferenceSettings]):
         return batch
 
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
+        batch = await self._within_limits(batch)
+        if not batch:
+            await self.steps.commit()
+            return
         await self._await_version(max(d.message.min_version for d in batch))
         valid = [d for d in batch if self._routable(d)]
         spans = [d.start_span() for d in valid]  # one per request, each in its own trace
@@ -136,6 +141,28 @@ class Inference(Service[InferenceSettings]):
         tokens = sum(len(r.completion_ids) for r in results)
         self.bump("tokens", tokens)
         telemetry.TOKENS.add(tokens, {"rlbus.service": self.member})
+
+    async def _within_limits(self, batch: list[Delivery[StepRequest]]
+                             ) -> list[Delivery[StepRequest]]:
+        """Requests over an operator limit are dead-lettered before the engine sees them,
+        and answered with an error so the episode fails now instead of after its retries."""
+        keep = []
+        for d in batch:
+            why = check_step(d.message, self.settings.limits)
+            if why is None:
+                keep.append(d)
+                continue
+            self.bump("rejected")
+            await self.steps.reject(d, why)
+            if self._routable(d):
+                error = self._result(d.message, ValueError(why), self.engine_version)
+                await self._reply(d, error, d.start_span())
+        self.count_input(len(batch) - len(keep))
+        return keep
+
+    @property
+    def engine_version(self) -> int:
+        return self.engine.version if self.engine is not None else 0
 
     def _routable(self, d: Delivery[StepRequest]) -> bool:
         if d.message.reply_partition < self.settings.topics.result_partitions:

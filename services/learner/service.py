@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbus import plugins, telemetry
+from rlbus.limits import check_scored
 from rlbus.messages import ScoredTrajectory, WeightVersion
 from rlbus.service import Service
 from rlbus.services.learner.feeder import Feeder
@@ -153,6 +154,11 @@ class Learner(Service[LearnerSettings]):
     async def main(self) -> None:
         while not self.stopping:
             for d in await self.scored.poll(0.5):
+                why = check_scored(d.message, self.settings.limits)
+                if why is not None:  # a group of 10^9 would wait for members forever
+                    await self.scored.reject(d, why)
+                    self.bump("rejected")
+                    continue
                 with d.processing():
                     if d.message.trajectory.purpose == "eval":
                         self._take_eval(d.message)

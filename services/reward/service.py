@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from rlbus import plugins, telemetry
+from rlbus.limits import check_trajectory
 from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.service import Service
 from rlbus.services.reward.pool import VerifierFailed, VerifierPool
@@ -52,6 +53,7 @@ class Reward(Service[RewardSettings]):
                 await self._publish(batch)
 
     async def _publish(self, batch: list[Delivery[Trajectory]]) -> None:
+        batch = await self._within_limits(batch)
         spans = [d.start_span() for d in batch]
         scored = await asyncio.gather(
             *(self._score(d, s) for d, s in zip(batch, spans, strict=True))
@@ -69,6 +71,18 @@ class Reward(Service[RewardSettings]):
         self.count_input(len(batch))
         self.bump("masked", sum(not s.valid for s in scored))
         self.bump("reward_sum", sum(s.reward for s in scored if s.valid))
+
+    async def _within_limits(self, batch: list[Delivery[Trajectory]]
+                             ) -> list[Delivery[Trajectory]]:
+        keep = []
+        for d in batch:
+            why = check_trajectory(d.message, self.settings.limits)
+            if why is None:
+                keep.append(d)
+            else:  # dead-lettered and acked: its offset goes with this batch's transaction
+                self.bump("rejected")
+                await self.trajectories.reject(d, why)
+        return keep
 
     async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:
         with telemetry.use(span, end=False), telemetry.span("score", self.member) as s:

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from rlbus import plugins, telemetry
 from rlbus.api import Agent, Env, Episode, Generation, StepOutcome, Task, TaskSpec
-from rlbus.codec import encode
+from rlbus.limits import check_prompt
 from rlbus.messages import Prompt, Sampling, StepRequest, StepResult, Trajectory, Turn
 from rlbus.service import Service
 from rlbus.services.rollout.settings import RolloutSettings
-from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer, RawRecord
+from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer
 
 log = logging.getLogger(__name__)
 
@@ -155,26 +155,44 @@ class Rollout(Service[RolloutSettings]):
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
         self._groups.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("group task crashed", exc_info=task.exception())
-            self.bump("group_crashes")
+        if not task.cancelled() and task.exception() is not None:  # only while stopping
+            log.error("group task ended with an error", exc_info=task.exception())
 
     async def _run_group(self, d: Delivery[Prompt]) -> None:
         prompt = d.message
         with d.processing() as prompt_span:
-            try:
-                task = plugins.task(prompt.task)
-            except plugins.PluginError as exc:
-                await self._dead_letter(d, str(exc))
+            # over a limit or naming no loadable task: a dead letter, before any allocation
+            why, task = check_prompt(prompt, self.settings.limits), None
+            if why is None:
+                try:
+                    task = plugins.task(prompt.task)
+                except plugins.PluginError as exc:
+                    why = str(exc)
+            if task is None:
+                await self._dead_letter(d, why or "no task")
             else:
-                await asyncio.gather(
-                    *(
-                        self._traced_episode(task, prompt, i, prompt_span)
-                        for i in range(prompt.group_size)
-                    )
-                )
+                await self._roll_out(d, task, prompt_span)
         self.prompts.ack(d)  # only now: every trajectory of the group is on the broker
         self.count_input()
+
+    async def _roll_out(self, d: Delivery[Prompt], task: Task, prompt_span: Any) -> None:
+        """Every episode of the group, published. A group that crashes (a broker call that
+        timed out, a bug) is tried again from the start, ``group_attempts`` times in all
+        (episode ids are deterministic: the learner keeps one copy of each), then
+        dead-lettered: its prompt is never left unacked, so commits keep advancing."""
+        prompt = d.message
+        for attempt in range(1, self.settings.group_attempts + 1):
+            try:
+                await asyncio.gather(*(self._traced_episode(task, prompt, i, prompt_span)
+                                       for i in range(prompt.group_size)))
+                return
+            except Exception as exc:
+                self.bump("group_crashes")
+                error = f"group failed on attempt {attempt}: {type(exc).__name__}: {exc}"
+                log.error("prompt %s: %s", prompt.group_id, error, exc_info=exc)
+                if self.stopping:
+                    raise  # unacked: the next owner of the partition rolls it out
+        await self._dead_letter(d, error[:500])
 
     async def _traced_episode(self, task: Task, prompt: Prompt, index: int, parent: Any) -> None:
         """One episode = one trace: its root span covers every step request, environment
@@ -205,11 +223,7 @@ class Rollout(Service[RolloutSettings]):
     async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
         log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
         self.bump("dead_letters")
-        if self.prompts.dlq is not None:
-            raw = RawRecord(
-                d.topic, d.partition, d.offset, d.key, encode(d.message), d.headers, d.timestamp_ms
-            )
-            await self.prompts.dlq.put(raw, error)
+        await self.prompts.reject(d, error)
 
     # -- episodes
 

@@ -29,6 +29,9 @@ class RolloutSettings(ServiceSettings):
     drops answers it did not ask for), only wasteful."""
     step_timeout_s: float = Field(default=30.0, gt=0)
     """Re-send a step request not answered within this time (same request_id)."""
+    group_attempts: int = Field(default=3, ge=1)
+    """Times a group that crashed (not an episode that failed: those are published) is
+    rolled out before its prompt is dead-lettered."""
     step_retries: int = Field(default=3, ge=0)
     """Re-sends before the episode is published as failed (and masked by the learner)."""
     env_timeout_s: float = Field(default=30.0, gt=0)

@@ -275,6 +275,18 @@ class Consumer(ABC, Generic[M]):
                 out[tp] = max(0, end - self.tracker.position(tp, end))
         return out
 
+    async def reject(self, delivery: Delivery[M], error: str) -> None:
+        """A decoded message this service refuses (over a limit, unknown task): to the
+        dead-letter topic with ``error``, then acked, so the offset moves on and no member
+        reads it again."""
+        log.warning("dead letter %s[%d]@%d: %s", delivery.topic, delivery.partition,
+                    delivery.offset, error)
+        if self.dlq is not None:
+            raw = RawRecord(delivery.topic, delivery.partition, delivery.offset, delivery.key,
+                            encode(delivery.message), delivery.headers, delivery.timestamp_ms)
+            await self.dlq.put(raw, error)
+        self.ack(delivery)
+
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)
 

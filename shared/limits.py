@@ -1,0 +1,86 @@
+"""Operator limits on every field that sizes work, checked before anything is allocated.
+
+A message is valid msgpack and valid schema, and still hostile: a Prompt with a group size of
+10^9 made a rollout process allocate 7 GB in a minute and, never acked, came back to every
+restarted instance (a poison pill). Each tier checks what it is about to multiply against
+these limits (``RLBUS_LIMITS__*``, the same for every tier) and dead-letters a message over
+one with the reason; nothing of it is started, and the offset moves on.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:  # settings import this module; it stays free of the wire types
+    from rlbus.messages import Prompt, ScoredTrajectory, StepRequest, Trajectory
+
+
+class Limits(BaseModel):
+    """Largest values a message may ask for; over one, it is dead-lettered."""
+
+    max_group_size: int = Field(default=256, ge=1)
+    """Episodes one prompt may ask for (rollout starts that many at once)."""
+    max_new_tokens: int = Field(default=8192, ge=1)
+    """Tokens one generation may ask for."""
+    max_input_tokens: int = Field(default=131_072, ge=1)
+    """Context tokens one step request may carry."""
+    max_turns: int = Field(default=256, ge=1)
+    """Turns one trajectory may hold."""
+    max_spec_bytes: int = Field(default=256 * 1024, ge=64)
+    """Size of a task spec as JSON (it is copied into every trajectory of its group)."""
+
+
+def _spec_bytes(spec: object) -> int:
+    try:
+        return len(json.dumps(spec, separators=(",", ":"), default=str))
+    except (TypeError, ValueError):  # circular or odd: as good as too large
+        return 1 << 62
+
+
+def _over(what: str, value: int, limit: int, setting: str) -> str:
+    return f"{what} {value} is over the limit {limit} (RLBUS_LIMITS__{setting.upper()})"
+
+
+def check_prompt(p: Prompt, limits: Limits) -> str | None:
+    """Why ``p`` must not be rolled out, or None."""
+    if p.group_size > limits.max_group_size:
+        return _over("group_size", p.group_size, limits.max_group_size, "max_group_size")
+    if p.sampling.max_new_tokens > limits.max_new_tokens:
+        return _over("max_new_tokens", p.sampling.max_new_tokens, limits.max_new_tokens,
+                     "max_new_tokens")
+    size = _spec_bytes(p.spec)
+    if size > limits.max_spec_bytes:
+        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes") + " bytes"
+    return None
+
+
+def check_step(r: StepRequest, limits: Limits) -> str | None:
+    """Why ``r`` must not be generated, or None."""
+    if len(r.input_ids) > limits.max_input_tokens:
+        return _over("input of", len(r.input_ids), limits.max_input_tokens,
+                     "max_input_tokens") + " tokens"
+    if r.sampling.max_new_tokens > limits.max_new_tokens:
+        return _over("max_new_tokens", r.sampling.max_new_tokens, limits.max_new_tokens,
+                     "max_new_tokens")
+    return None
+
+
+def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
+    """Why ``t`` must not be scored or trained on, or None."""
+    if t.group_size > limits.max_group_size:
+        return _over("group_size", t.group_size, limits.max_group_size, "max_group_size")
+    if t.index >= t.group_size:
+        return f"episode index {t.index} is not below its group_size {t.group_size}"
+    if len(t.turns) > limits.max_turns:
+        return _over("turns", len(t.turns), limits.max_turns, "max_turns")
+    size = _spec_bytes(t.spec)
+    if size > limits.max_spec_bytes:
+        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes") + " bytes"
+    return None
+
+
+def check_scored(s: ScoredTrajectory, limits: Limits) -> str | None:
+    return check_trajectory(s.trajectory, limits)
