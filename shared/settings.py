@@ -3,12 +3,17 @@
 Each service has one settings class (``services/<x>/settings.py``) that subclasses
 :class:`ServiceSettings`. Values come from keyword arguments, then ``RLBUS_*`` environment
 variables (nested with ``__``, e.g. ``RLBUS_KAFKA__BOOTSTRAP``), then the defaults here.
-Unknown keys are an error, so a typo in an environment block fails loudly at start.
+A variable that no rlbus service reads is an error, so a typo in an environment block fails
+loudly at start (with the closest known name); one that only another tier reads is accepted
+and logged once as unused, so a single shell can configure every tier.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,12 +85,15 @@ class TopicSettings(_Section):
 LAUNCHER_VARIABLES = frozenset({"RLBUS_KAFKA_BOOTSTRAP", "RLBUS_KAFKA_CACHE", "RLBUS_HOME"})
 """RLBUS_* variables read by the broker launcher and tests, not by any settings class."""
 
+log = logging.getLogger(__name__)
+_REPORTED: set[tuple[str, str]] = set()  # (settings class, variable) already logged as unused
+
 
 class UnknownSettingError(ValueError):
-    """An RLBUS_* environment variable names no setting of this service."""
+    """An RLBUS_* environment variable names no setting of any rlbus service."""
 
 
-def unknown_env_keys(cls: type[BaseModel], environ: dict[str, str] | None = None) -> list[str]:
+def unknown_env_keys(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> list[str]:
     """RLBUS_* variables that ``cls`` would silently ignore (pydantic-settings drops them)."""
     env = os.environ if environ is None else environ
     return sorted(
@@ -93,8 +101,12 @@ def unknown_env_keys(cls: type[BaseModel], environ: dict[str, str] | None = None
         for key in env
         if key.upper().startswith("RLBUS_")
         and key.upper() not in LAUNCHER_VARIABLES
-        and not _names_field(cls, key.upper().removeprefix("RLBUS_").split("__"))
+        and not _names_field(cls, _path(key))
     )
+
+
+def _path(key: str) -> list[str]:
+    return key.upper().removeprefix("RLBUS_").split("__")
 
 
 def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
@@ -106,6 +118,70 @@ def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
         return True
     sub = field.annotation
     return isinstance(sub, type) and issubclass(sub, BaseModel) and _names_field(sub, path[1:])
+
+
+def settings_classes() -> list[type[BaseModel]]:
+    """The settings class of every rlbus service (the runner's table) and of the operator
+    commands. Imported only when a variable needs checking: those modules import this one."""
+    from rlbus.runner import SERVICES, settings_class
+    from rlbus.services.ops.admin import AdminSettings
+
+    return [*(settings_class(name) for name in SERVICES), AdminSettings]
+
+
+def variable_names(cls: type[BaseModel], prefix: str = "RLBUS_") -> list[str]:
+    """Every variable that sets a field of ``cls``, sections too (RLBUS_KAFKA, RLBUS_KAFKA__X)."""
+    names = []
+    for name, field in cls.model_fields.items():
+        var = prefix + name.upper()
+        names.append(var)
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            names += variable_names(sub, var + "__")
+    return names
+
+
+def readers_of(key: str, classes: list[type[BaseModel]]) -> list[str]:
+    """Names of the settings classes that have a field for the variable ``key``."""
+    return [c.__name__ for c in classes if _names_field(c, _path(key))]
+
+
+def suggestion(key: str, classes: list[type[BaseModel]]) -> str:
+    """`` (did you mean RLBUS_X?)`` for the closest known variable, or nothing."""
+    known = {n.removeprefix("RLBUS_") for c in classes for n in variable_names(c)}
+    close = difflib.get_close_matches(key.upper().removeprefix("RLBUS_"), sorted(known), n=1)
+    return f" (did you mean RLBUS_{close[0]}?)" if close else ""
+
+
+def check_env(cls: type[ServiceSettings], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Raise :class:`UnknownSettingError` for RLBUS_* variables no rlbus service reads;
+    return those that only other services read (``cls`` ignores them)."""
+    unknown = set(unknown_env_keys(cls, environ))
+    for other in cls.also_accepted():
+        unknown &= set(unknown_env_keys(other, environ))
+    if not unknown:
+        return []
+    classes = settings_classes()
+    strangers = sorted(k for k in unknown if not readers_of(k, classes))
+    if strangers:
+        raise UnknownSettingError(
+            "no rlbus service has a setting for "
+            + ", ".join(k + suggestion(k, classes) for k in strangers)
+            + "; nested keys use __, e.g. RLBUS_KAFKA__BOOTSTRAP"
+        )
+    return sorted(unknown)
+
+
+def _report_unused(cls: type[BaseModel], keys: list[str]) -> None:
+    """Log each variable that only other tiers read, once per process and class."""
+    fresh = [k for k in keys if (cls.__name__, k) not in _REPORTED]
+    classes = settings_classes() if fresh else []
+    for key in fresh:
+        _REPORTED.add((cls.__name__, key))
+        readers = ", ".join(readers_of(key, classes))
+        log.warning(
+            "%s is not a setting of %s (it is one of %s); ignored", key, cls.__name__, readers
+        )
 
 
 class ServiceSettings(BaseSettings):
@@ -141,17 +217,10 @@ class ServiceSettings(BaseSettings):
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:
-        """Settings classes whose RLBUS_* variables this one tolerates (operator commands
-        run in shells configured for a service)."""
+        """Settings classes whose RLBUS_* variables this one takes without logging them as
+        unused (operator commands run in shells configured for a service)."""
         return []
 
     def __init__(self, **values: Any) -> None:
-        unknown = set(unknown_env_keys(type(self)))
-        for other in self.also_accepted():
-            unknown &= set(unknown_env_keys(other))
-        if unknown:
-            raise UnknownSettingError(
-                f"{type(self).__name__} has no setting for {', '.join(sorted(unknown))}; "
-                "check the spelling (nested keys use __, e.g. RLBUS_KAFKA__BOOTSTRAP)"
-            )
+        _report_unused(type(self), check_env(type(self)))
         super().__init__(**values)

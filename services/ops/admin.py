@@ -1,11 +1,14 @@
-"""Operator commands that talk to Kafka directly: topics and feeding prompts."""
+"""Operator commands: topics, feeding prompts, inspecting topics, and a local model folder."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +95,13 @@ async def inspect_command(args: argparse.Namespace) -> int:
     bus = KafkaBus(s.kafka, dlq_topic=None, service="inspect")
     try:
         if args.command == "trace":
-            rows = await inspection.gather_episode(bus, topics, args.episode_id)
+            found = await inspection.gather_episode(bus, topics, args.episode_id)
             if args.json:
-                for r in rows:
-                    print(json.dumps(inspection.as_json(r["raw"], r["message"], None)))
+                for d in found.rows:
+                    print(json.dumps(inspection.as_json(*d)))
             else:
-                inspection.render_episode(args.episode_id, rows, sys.stdout.write)
-            return 0 if rows else 1
+                inspection.render_episode(found, sys.stdout.write)
+            return 0 if found.rows else 1
         start = inspection.Start(
             offset=args.from_offset,
             timestamp_ms=inspection.parse_time(args.from_time) if args.from_time else None,
@@ -114,3 +117,52 @@ async def inspect_command(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     finally:
         await bus.close()
+
+
+def model_init_command(
+    path: Path,
+    *,
+    size: str = "tiny",
+    seed: int = 0,
+    words: Sequence[str] = (),
+    force: bool = False,
+) -> int:
+    """Build the tiny random-init Llama and its word-level tokenizer (the built-in tasks'
+    words, plus ``words`` for a task of your own) into ``path``.
+
+    Built in ``<path>.tmp`` and renamed when complete, so an interrupted build is never taken
+    for a model; an existing non-empty folder is replaced only with ``force``.
+    """
+    path = Path(os.path.abspath(path))  # "models/tiny/", "." and ".." have a name to rename
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"rlbus model init: {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise SystemExit(f"rlbus model init: {path} exists and is not empty (--force replaces it)")
+    from transformers.utils import logging as transformers_logging
+
+    from rlbus.services.learner.tiny_model import build_tiny_model  # imports torch
+
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # the leftover of an interrupted build
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build_tiny_model(tmp, size=size, seed=seed, words=words)
+        _replace_folder(tmp, path)
+    except ValueError as exc:  # a word the tokenizer cannot hold
+        raise SystemExit(f"rlbus model init: {exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"rlbus model init: built a random-init {size} model and its tokenizer in {path}")
+    return 0
+
+
+def _replace_folder(new: Path, path: Path) -> None:
+    """Rename ``new`` to ``path``; a non-empty ``path`` is moved aside first (a rename
+    replaces only an empty folder) and deleted once ``new`` is in place."""
+    old = path.with_name(path.name + ".old")
+    if path.is_dir() and any(path.iterdir()):
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    new.replace(path)
+    shutil.rmtree(old, ignore_errors=True)

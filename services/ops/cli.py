@@ -3,9 +3,11 @@
 rlbus demo                      train on the built-in multi-turn task, end to end
 rlbus run SERVICE               run one service (rollout, inference, reward, learner)
 rlbus topics create             create the topic catalogue (idempotent)
+rlbus model init PATH           build a tiny random-init model and tokenizer in PATH
 rlbus feed FILE.jsonl           publish prompts from a dataset file
 rlbus replay TOPIC              print (or re-publish) messages of a topic
 rlbus trace EPISODE_ID          one episode's messages across topics, turn by turn
+rlbus status                    lag and throughput per topic and consumer group
 rlbus broker start|stop|status  a local Kafka broker (no Docker needed)
 """
 
@@ -42,6 +44,22 @@ def _parser() -> argparse.ArgumentParser:
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics.add_argument("action", choices=("create", "list"))
 
+    model = sub.add_parser("model", help="a local model folder for the services")
+    model_sub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    init = model_sub.add_parser(
+        "init", help="build a tiny random-init Llama and its tokenizer (no download)"
+    )
+    init.add_argument("path", help="folder to create, e.g. models/tiny (RLBUS_MODEL_PATH)")
+    init.add_argument(
+        "--size", choices=("tiny", "small"), default="tiny", help="tiny: 90k parameters"
+    )  # the keys of rlbus.services.learner.tiny_model.SIZES, which imports torch
+    init.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    init.add_argument(
+        "--words", nargs="+", action="extend", default=[], metavar="WORD",
+        help="extra vocabulary words, one token each (the words of a task of your own)",
+    )  # fmt: skip
+    init.add_argument("--force", action="store_true", help="replace a non-empty folder")
+
     feed = sub.add_parser("feed", help="publish prompts from a JSON-lines file")
     feed.add_argument("file", help='one JSON object per line: {"task": ..., "spec": {...}}')
     feed.add_argument("--group-size", type=int, default=8)
@@ -62,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--to", help="re-publish the matching records (bytes, key, headers)")
 
     st = sub.add_parser("status", help="live lag and throughput per topic and consumer group")
-    st.add_argument("--once", action="store_true", help="print one table and exit")
+    st.add_argument(
+        "--once", action="store_true", help="print one table and exit (the default off a terminal)"
+    )
     st.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
 
     tr = sub.add_parser("trace", help="one episode across topics, turn by turn")
@@ -103,6 +123,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlbus.services.ops.admin import topics_command
 
         return asyncio.run(topics_command(args.action))
+    if args.command == "model":
+        from pathlib import Path
+
+        from rlbus.services.ops.admin import model_init_command
+
+        return model_init_command(
+            Path(args.path), size=args.size, seed=args.seed, words=args.words, force=args.force
+        )
     if args.command == "feed":
         from rlbus.services.ops.admin import feed_command
 
@@ -117,7 +145,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlbus.topics import Topics
 
         s = AdminSettings()
-        return asyncio.run(status_command(s.kafka, Topics(s.topics), args.once, args.interval))
+        try:
+            return asyncio.run(status_command(s.kafka, Topics(s.topics), args.once, args.interval))
+        except KeyboardInterrupt:  # how a live status ends
+            return 0
     if args.command == "demo":
         from rlbus.services.ops.demo import demo_command
 

@@ -1,22 +1,26 @@
 """Debugging tools over the topics: ``rlbus replay`` and ``rlbus trace``.
 
 Both read with a group-less consumer (they never move any tier's committed offsets), so they
-are safe to run against a live run.
+are safe to run against a live run. Neither trusts what it reads: a record that does not
+decode (garbage bytes, msgpack that fails the schema, a dead letter's raw payload) is shown
+as base64 of its bytes next to the decode error, never as a traceback.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
-from typing import IO, Any
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import IO, Any, NamedTuple
 
 from pydantic import BaseModel
 
-from rlbus.codec import DecodeError, decode, to_jsonable
+from rlbus.codec import DecodeError, decode
 from rlbus.messages import (
+    DeadLetter,
     Prompt,
     ScoredTrajectory,
     StepRequest,
@@ -133,17 +137,69 @@ async def _drain(
     return out
 
 
-def decoded(
-    records: list[RawRecord], message_type: type[BaseModel] | None
-) -> Iterator[tuple[RawRecord, BaseModel | None, str | None]]:
+class Decoded(NamedTuple):
+    """A record and what became of decoding it: the message, or the error (or neither, for
+    a topic outside the catalogue, whose type is unknown)."""
+
+    raw: RawRecord
+    message: BaseModel | None
+    error: str | None
+
+
+def decoded(records: list[RawRecord], message_type: type[BaseModel] | None) -> Iterator[Decoded]:
     for r in records:
         if message_type is None:
-            yield r, None, None
+            yield Decoded(r, None, None)
             continue
         try:
-            yield r, decode(r.value, message_type), None
+            yield Decoded(r, decode(r.value, message_type), None)
         except DecodeError as exc:
-            yield r, None, str(exc)
+            yield Decoded(r, None, str(exc))
+
+
+def iso_time(timestamp_ms: int) -> str:
+    """``2026-12-03T10:11:12.345Z``; a timestamp out of datetime's range stays a number."""
+    try:
+        at = datetime.fromtimestamp(timestamp_ms / 1000, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return str(timestamp_ms)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def jsonable(value: Any) -> Any:
+    """JSON-ready form of anything a decoded message can hold. Bytes (a dead letter's
+    payload, binary values in a spec) become ``{"base64": ...}``: they are often not UTF-8."""
+    if isinstance(value, BaseModel):
+        return jsonable(value.model_dump(mode="python"))
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"base64": b64(bytes(value))}
+    if isinstance(value, dict):
+        return {_json_key(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return repr(value)  # e.g. a msgpack Timestamp or ExtType inside a free-form spec
+
+
+def _json_key(key: Any) -> str:
+    if isinstance(key, bytes):
+        return key.decode(errors="backslashreplace")
+    return key if isinstance(key, str) else repr(key)
+
+
+def key_text(key: bytes | None) -> str | dict[str, str] | None:
+    """A record key as text, or ``{"base64": ...}`` when it is not UTF-8."""
+    if key is None:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return {"base64": b64(key)}
 
 
 def as_json(raw: RawRecord, message: BaseModel | None, error: str | None) -> dict[str, Any]:
@@ -152,12 +208,15 @@ def as_json(raw: RawRecord, message: BaseModel | None, error: str | None) -> dic
         "partition": raw.partition,
         "offset": raw.offset,
         "timestamp_ms": raw.timestamp_ms,
-        "key": raw.key.decode(errors="replace") if raw.key is not None else None,
+        "time": iso_time(raw.timestamp_ms),
+        "key": key_text(raw.key),
     }
     if message is not None:
-        row["message"] = to_jsonable(message)
-    else:
-        row["error" if error else "bytes"] = error or len(raw.value)
+        row["message"] = jsonable(message)
+        return row
+    if error is not None:
+        row["error"] = error
+    row["value_base64"] = b64(raw.value)
     return row
 
 
@@ -175,54 +234,87 @@ async def replay(
     """Print matching messages as JSON lines, or re-publish their bytes to ``to``."""
     topic, message_type = resolve_topic(topics, name)
     records = await read_topic(bus, topic, start)
-    chosen = [(r, m, e) for r, m, e in decoded(records, message_type) if match(r, m)]
+    chosen = [d for d in decoded(records, message_type) if match(d.raw, d.message)]
     chosen = chosen[:limit] if limit is not None else chosen
     if to is None:
-        for r, m, e in chosen:
-            out.write(json.dumps(as_json(r, m, e)) + "\n")
+        for d in chosen:
+            out.write(json.dumps(as_json(*d)) + "\n")
         return len(chosen)
     producer = await bus.producer()
     target, _ = resolve_topic(topics, to)
-    for r, _m, _e in chosen:
-        await producer.send_raw(target, r.value, key=r.key, headers=r.headers)
+    for d in chosen:
+        await producer.send_raw(target, d.raw.value, key=d.raw.key, headers=d.raw.headers)
     return len(chosen)
 
 
 # -- trace ------------------------------------------------------------------------------
 
 
-async def gather_episode(bus: Bus, topics: Topics, episode_id: str) -> list[dict[str, Any]]:
-    """Every message of one episode across topics, in time order."""
+@dataclass
+class EpisodeRecords:
+    """One episode's records across topics, in time order. An undecodable record is kept
+    when its key names the episode or its group (the key each topic is written with);
+    ``unreadable`` counts the others, which cannot be attributed to any episode."""
+
+    episode_id: str
+    rows: list[Decoded] = field(default_factory=list)
+    unreadable: dict[str, int] = field(default_factory=dict)
+
+
+def _belongs(d: Decoded, episode_id: str, group: str, match: Filter) -> bool:
+    if isinstance(d.message, DeadLetter):
+        return d.message.key in (episode_id.encode(), group.encode())
+    if d.message is not None:
+        return match(d.raw, d.message)
+    return d.raw.key in (episode_id.encode(), group.encode())
+
+
+async def gather_episode(bus: Bus, topics: Topics, episode_id: str) -> EpisodeRecords:
+    """Every record of one episode across topics (dead letters included), in time order."""
     group = episode_id.rsplit("/", 1)[0]
-    rows: list[dict[str, Any]] = []
+    found = EpisodeRecords(episode_id)
     for name, match in (
         (topics.prompts, Filter(group=group)),
         (topics.steps, Filter(episode=episode_id)),
         (topics.results, Filter(episode=episode_id)),
         (topics.trajectories, Filter(episode=episode_id)),
         (topics.scored, Filter(episode=episode_id)),
+        (topics.dlq, Filter()),
     ):
         _, message_type = resolve_topic(topics, name)
-        for r, m, _e in decoded(await read_topic(bus, name), message_type):
-            if m is not None and match(r, m):
-                rows.append({"raw": r, "message": m})
-    return sorted(rows, key=lambda x: x["raw"].timestamp_ms)
+        for d in decoded(await read_topic(bus, name), message_type):
+            if _belongs(d, episode_id, group, match):
+                found.rows.append(d)
+            elif d.message is None:
+                found.unreadable[name] = found.unreadable.get(name, 0) + 1
+    found.rows.sort(key=lambda d: d.raw.timestamp_ms)
+    return found
 
 
-def render_episode(
-    episode_id: str, rows: list[dict[str, Any]], write: Callable[[str], Any]
-) -> None:
+def render_episode(found: EpisodeRecords, write: Callable[[str], Any]) -> None:
     """The conversation turn by turn, then the message timeline."""
+    episode_id, rows = found.episode_id, found.rows
     if not rows:
         write(f"no messages found for episode {episode_id}\n")
-        return
-    msgs = [r["message"] for r in rows]
+    else:
+        _render_conversation(episode_id, [d.message for d in rows if d.message is not None], write)
+        _render_timeline(rows, write)
+    for topic, n in sorted(found.unreadable.items()):
+        write(
+            f"  note: {n} undecodable record(s) in {topic} with no key of this episode "
+            f"(rlbus replay {topic} shows them)\n"
+        )
+
+
+def _render_conversation(
+    episode_id: str, msgs: list[BaseModel], write: Callable[[str], Any]
+) -> None:
     prompt = next((m for m in msgs if isinstance(m, Prompt)), None)
     traj = next((m for m in msgs if isinstance(m, Trajectory)), None)
     scored = [m for m in msgs if isinstance(m, ScoredTrajectory)]
     write(f"episode {episode_id}\n")
     if prompt is not None:
-        write(f"  prompt  task={prompt.task} spec={json.dumps(prompt.spec)}\n")
+        write(f"  prompt  task={prompt.task} spec={json.dumps(jsonable(prompt.spec))}\n")
     if traj is not None:
         write(f"  status  {traj.status}{' (' + traj.error + ')' if traj.error else ''}\n")
         for i, t in enumerate(traj.turns):
@@ -233,10 +325,35 @@ def render_episode(
     for s in scored:
         validity = "" if s.valid else f" (masked: {s.error})"
         write(f"  reward  {s.reward} by {s.verifier or '-'}{validity}\n")
-    write("  timeline:\n")
-    for r in rows:
-        raw, m = r["raw"], r["message"]
-        write(
-            f"    {raw.timestamp_ms}  {raw.topic}[{raw.partition}]@{raw.offset}  "
-            f"{type(m).__name__}\n"
+
+
+def _render_timeline(rows: list[Decoded], write: Callable[[str], Any]) -> None:
+    """One line per record: UTC time, time since the first record, where, what."""
+    start = rows[0].raw.timestamp_ms
+    write(f"  timeline (from {iso_time(start)}):\n")
+    for raw, message, error in rows:
+        since = f"+{(raw.timestamp_ms - start) / 1000:.3f}s"
+        where = f"{raw.topic}[{raw.partition}]@{raw.offset}"
+        what = _what(raw, message, error)
+        write(f"    {iso_time(raw.timestamp_ms)}  {since:>10}  {where}  {what}\n")
+
+
+def _what(raw: RawRecord, message: BaseModel | None, error: str | None) -> str:
+    if isinstance(message, DeadLetter):
+        return (
+            f"DeadLetter from {message.source_topic}[{message.partition}]@{message.offset} "
+            f"by {message.service}: {message.error}; payload base64 {_preview(message.payload)}"
         )
+    if message is not None:
+        return type(message).__name__
+    return f"undecodable ({error}); base64 {_preview(raw.value)}"
+
+
+PREVIEW_BYTES = 96
+"""A transcript line shows this much of undecodable bytes; ``--json`` shows them all."""
+
+
+def _preview(data: bytes) -> str:
+    if len(data) <= PREVIEW_BYTES:
+        return b64(data)
+    return f"{b64(data[:PREVIEW_BYTES])}... ({len(data)} bytes; --json has them all)"

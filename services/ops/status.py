@@ -3,6 +3,11 @@
 Lag is the topic's end offset minus the group's committed offset, summed over partitions;
 throughput is how fast end offsets (produced) and committed offsets (consumed) move between
 two samples. Read-only: it joins no group and commits nothing.
+
+The topic prefix is printed once, above the table, and left out of topic and group names, so
+that ``demo-20261203-101112.trajectories`` and ``demo-20261203-101112.trajectories.scored``
+stay distinguishable at 80 columns. Off a terminal (a pipe, a file, CI) it prints one table
+and exits, as with ``--once``.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
@@ -18,6 +23,9 @@ from pydantic import BaseModel
 from rlbus.settings import KafkaSettings
 from rlbus.topics import Topics
 from rlbus.transport import KafkaBus, admin_client, with_timeout
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass(frozen=True)
@@ -65,31 +73,31 @@ def _fold(
         lag[key] = lag.get(key, 0) + max(0, end - meta.offset)
 
 
-def table(prev: Sample | None, cur: Sample) -> Any:
+def table(prev: Sample | None, cur: Sample, prefix: str = "") -> Any:
+    """The table of one sample; rates need the previous one. ``prefix``: the topic prefix,
+    left out of the names (shown once, in the title)."""
     from rich.table import Table
+    from rich.text import Text
 
     dt = (cur.at - prev.at) if prev else 0.0
-    t = Table(title="rlbus status: lag and throughput per topic and group")
-    for col, justify in (
-        ("topic", "left"),
-        ("group", "left"),
-        ("end offset", "right"),
-        ("produced/s", "right"),
-        ("lag", "right"),
-        ("consumed/s", "right"),
-    ):
-        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    title = "rlbus status: lag and throughput per topic and group"
+    t = Table(title=f"{title}\ntopics of prefix {prefix}" if prefix else title)
+    t.add_column("topic", no_wrap=True)
+    t.add_column("group", overflow="fold")  # a long group name wraps, never loses its end
+    for col in ("end offset", "produced/s", "lag", "consumed/s"):
+        t.add_column(col, justify="right", no_wrap=True)
     for topic, end in cur.ends.items():
         produced = _rate(prev.ends.get(topic) if prev else None, end, dt)
+        name = _short(topic, prefix)
         readers = sorted(g for g, tp in cur.lag if tp == topic)
         if not readers:
-            t.add_row(topic, "-", str(end), produced, "-", "-")
+            t.add_row(name, "-", str(end), produced, "-", "-")
         for i, group in enumerate(readers):
             done = cur.committed[(group, topic)]
             consumed = _rate(prev.committed.get((group, topic)) if prev else None, done, dt)
             t.add_row(
-                topic if i == 0 else "",
-                group,
+                name if i == 0 else "",
+                Text(_short(group, prefix)),  # Text: a group name is not rich markup
                 str(end) if i == 0 else "",
                 produced if i == 0 else "",
                 str(cur.lag[(group, topic)]),
@@ -98,27 +106,39 @@ def table(prev: Sample | None, cur: Sample) -> Any:
     return t
 
 
+def _short(name: str, prefix: str) -> str:
+    return name.removeprefix(prefix + ".") if prefix else name
+
+
 def _rate(before: int | None, now: int, dt: float) -> str:
     return "-" if before is None or dt <= 0 else f"{(now - before) / dt:.1f}"
 
 
-async def status_command(kafka: KafkaSettings, topics: Topics, once: bool, interval: float) -> int:
+async def status_command(
+    kafka: KafkaSettings,
+    topics: Topics,
+    once: bool,
+    interval: float,
+    console: Console | None = None,
+) -> int:
+    """Print the table every ``interval`` seconds until Ctrl-C; once if ``once`` or when
+    the output is not a terminal (a live display would write nothing readable there)."""
     from rich.console import Console
     from rich.live import Live
 
+    console = console or Console()
+    prefix = topics.settings.prefix
     bus = KafkaBus(kafka, dlq_topic=None, service="status")
     try:
         prev = None
         cur = await sample(kafka, topics, bus)
-        if once:
-            Console().print(table(prev, cur))
+        if once or not console.is_terminal:
+            console.print(table(prev, cur, prefix))
             return 0
-        with Live(table(prev, cur), refresh_per_second=1) as live:
+        with Live(table(prev, cur, prefix), console=console, refresh_per_second=1) as live:
             while True:
                 await asyncio.sleep(interval)
                 prev, cur = cur, await sample(kafka, topics, bus)
-                live.update(table(prev, cur))
-    except KeyboardInterrupt:
-        return 0
+                live.update(table(prev, cur, prefix))
     finally:
         await bus.close()

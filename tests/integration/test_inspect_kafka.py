@@ -117,17 +117,21 @@ async def test_trace_gathers_one_episode_across_topics(env):
     bus, topics = env
     episode = await _publish_episode(bus, topics)
     await _publish_episode(bus, topics, index=2)  # a sibling that must not appear
-    rows = await inspection.gather_episode(bus, topics, episode)
-    kinds = [type(r["message"]).__name__ for r in rows]
+    found = await inspection.gather_episode(bus, topics, episode)
+    kinds = [type(d.message).__name__ for d in found.rows]
     assert kinds == ["Prompt", "StepRequest", "StepResult", "Trajectory", "ScoredTrajectory"]
-    assert isinstance(rows[0]["message"], Prompt)
-    assert isinstance(rows[1]["message"], StepRequest)
+    assert isinstance(found.rows[0].message, Prompt)
+    assert isinstance(found.rows[1].message, StepRequest)
+    assert found.unreadable == {}
     text = []
-    inspection.render_episode(episode, rows, text.append)
+    inspection.render_episode(found, text.append)
     transcript = "".join(text)
     assert "task=guess_number" in transcript
     assert "turn 0  [policy v0, 2 tokens, stop] action: '3' -> observation: 'correct'" in transcript
     assert "reward  1.0 by x" in transcript
+    first = found.rows[0].raw.timestamp_ms
+    assert f"timeline (from {inspection.iso_time(first)}):" in transcript
+    assert str(first) not in transcript  # human times, not epoch milliseconds
 
 
 async def test_status_reports_lag_per_group_and_topic(env, unique_name):

@@ -25,7 +25,7 @@ def test_help_is_fast_and_imports_nothing_heavy():
     )
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "demo" in out.stdout and "feed" in out.stdout
+    assert "demo" in out.stdout and "feed" in out.stdout and "model" in out.stdout
     assert out.stderr.strip() == "[]"
     assert time.perf_counter() - started < 10  # generous: a guard against importing torch
 
@@ -58,6 +58,15 @@ def test_invalid_settings_fail_with_the_key_named(monkeypatch):
 
     with pytest.raises(SystemExit, match="RLBUS_NOT_A_SETTING"):
         run_service("reward")
+
+
+def test_a_misspelt_variable_names_the_one_meant(monkeypatch):
+    monkeypatch.setenv("RLBUS_KAFKA__BOOTSTRAPP", "h:1")
+    from rlbus.services.ops.cli import main
+
+    with pytest.raises(SystemExit, match=r"rlbus topics: invalid settings: .*"
+                       r"RLBUS_KAFKA__BOOTSTRAPP \(did you mean RLBUS_KAFKA__BOOTSTRAP\?\)"):
+        main(["topics", "list"])
 
 
 def test_unreachable_broker_is_a_clear_error_not_a_hang():
