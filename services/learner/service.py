@@ -2,8 +2,9 @@
 
 Delivery contract: exactly once by checkpointed offsets. The checkpoint holds the model, the
 optimizer, the version, the step, the consumer offsets below which every episode has been
-trained, the ids of trained groups, the ledger of every episode id each step trained on (an
-audit trail, not deduplicated) and the feeder's position, written atomically. A restarted
+trained, the ids of trained groups (the newest 100k), the ledger of every episode id each of
+the last ``ledger_steps`` steps trained on (an audit trail, not deduplicated) and the
+feeder's position, written atomically. A restarted
 learner loads it, seeks its partitions to those offsets and rewinds the model with them, so
 nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
 committed offsets follow the checkpoint (for lag monitoring), never lead it.
@@ -88,7 +89,8 @@ class Learner(Service[LearnerSettings]):
         self.offsets = {(t, p): off for (t, p), off in state["offsets"]}
         self.assembler = GroupAssembler(state["trained"])
         self.ledger = state.get("ledger", [])
-        self._episodes_trained = sum(len(step) for step in self.ledger)
+        self._episodes_trained = state.get("episodes_trained",
+                                           sum(len(step) for step in self.ledger))
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
 
     async def _published_version(self) -> int:
@@ -187,6 +189,7 @@ class Learner(Service[LearnerSettings]):
         await self._publish_weights()
         self._episodes_trained += int(stats["episodes"])
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
+        del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
         self._record(stats, time.perf_counter() - t0)
         if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
             await self._checkpoint()
@@ -230,6 +233,8 @@ class Learner(Service[LearnerSettings]):
             "offsets": [[list(tp), off] for tp, off in offsets.items()],
             "trained": self.assembler.trained_ids(),
             "ledger": self.ledger,
+            "ledger_first_step": self.step - len(self.ledger) + 1,
+            "episodes_trained": self._episodes_trained,
         }
         await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, state)
         self.offsets = offsets

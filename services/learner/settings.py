@@ -25,6 +25,9 @@ class LearnerSettings(ServiceSettings):
     """Where the checkpoint (model, optimizer, version, offsets, feeder) is written."""
     checkpoint_every: int = Field(default=5, ge=1)
     """Optimizer steps between checkpoints."""
+    ledger_steps: int = Field(default=1000, ge=1)
+    """Steps whose episode ids the checkpoint's ledger keeps (the audit trail of what was
+    trained, bounded so a long run's checkpoint does not grow without end)."""
     metrics_file: Path | None = None
     """JSON lines, one per optimizer step (what ``rlbus demo`` plots)."""
     device: str = "cpu"

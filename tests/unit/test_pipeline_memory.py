@@ -53,3 +53,20 @@ async def test_evaluation_episodes_are_measured_not_trained(tiny_model, tmp_path
     assert all(0.0 <= r["eval_success"] <= 1.0 for r in rows if "eval_success" in r)
     trained = [e for step in learner.ledger for e in step]
     assert len(trained) == 16 and not any("eval" in e for e in trained)
+
+
+@pytest.mark.slow
+async def test_the_checkpoint_ledger_is_bounded(tiny_model, tmp_path):
+    import torch
+
+    topics = TopicSettings(prefix="led", partitions=2, result_partitions=2)
+    s = settings(tiny_model, tmp_path, {"topics": topics}, max_steps=3, groups_per_step=1,
+                 group_size=2, ledger_steps=2)
+    learner = (await run_pipeline(s, bus_factory(MemoryBus, broker=memory_broker(topics))))[
+        "learner"]
+    assert learner.step == 3
+    assert len(learner.ledger) == 2 and all(len(step) == 2 for step in learner.ledger)
+    groups = {e.rsplit("/", 1)[0] for step in learner.ledger for e in step}
+    assert len(groups) == 2 and groups < {"run/0", "run/1", "run/2"}  # steps 2 and 3 only
+    state = torch.load(tmp_path / "checkpoint" / "checkpoint.pt", weights_only=False)
+    assert state["ledger_first_step"] == 2 and state["episodes_trained"] == 6
