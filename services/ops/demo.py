@@ -164,6 +164,10 @@ def say(text: str) -> None:
     print(f"[rlbus demo] {text}", flush=True)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def demo_command(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     demo = Demo(
@@ -175,6 +179,10 @@ def demo_command(args: argparse.Namespace) -> int:
         live=not args.no_progress and sys.stdout.isatty(),
     )
     reason = "interrupted (Ctrl-C)"
+    # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
+    # the learner checkpoints, the broker stops. Had we died instead, the services and the
+    # broker would still get their parent-death SIGTERM (launcher.die_with_parent).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         env = demo.prepare()
         demo.launch(env)

@@ -37,7 +37,9 @@ def child_env(extra: dict[str, str] | None = None,
     return {**env, **(extra or {})}
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """``preexec_fn``: the child gets SIGTERM when the thread that started it dies (Linux's
+    parent-death signal; a no-op elsewhere)."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -48,7 +50,7 @@ def spawn_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess
     with log.open("ab") as out:
         return subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent if _LIBC is not None else None,
+            preexec_fn=die_with_parent,
         )
 
 

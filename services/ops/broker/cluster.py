@@ -39,6 +39,7 @@ from rlbus.services.ops.broker.jars import (
     resolve_jars,
     tail_text,
 )
+from rlbus.services.ops.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -284,10 +285,15 @@ class LocalCluster:
         jvm_opts: Sequence[str] = (),
         format_args: Sequence[str] = (),
         client_options: Mapping[str, Any] | None = None,
+        die_with_parent: bool = True,
     ) -> None:
+        """``die_with_parent``: the nodes get SIGTERM when the thread that started them
+        dies, however it dies (SIGKILL included), so a killed demo, load test or pytest leaves
+        no JVM behind; False only for ``rlbus broker start``, whose broker outlives it."""
         if nodes not in (1, 3):
             raise ValueError(f"nodes must be 1 or 3, got {nodes}")
         self.version = version
+        self.die_with_parent = die_with_parent
         # 512 MiB for one node, 384 MiB each for three (measured stable for the test suite).
         self.heap_mb = heap_mb or (512 if nodes == 1 else 384)
         self.overrides = dict(overrides or {})
@@ -458,7 +464,7 @@ class LocalCluster:
         cmd += ["-t", self.cluster_id, "-c", str(node.config), *self.format_args]
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True,
+            text=True, preexec_fn=die_with_parent,
         )  # fmt: skip
 
     def _launch(self, node: _Node) -> None:
@@ -469,6 +475,7 @@ class LocalCluster:
             node.proc = subprocess.Popen(
                 cmd, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent if self.die_with_parent else None,
             )  # fmt: skip
 
     def _wait_ready(self, deadline: float) -> None:

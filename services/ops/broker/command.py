@@ -90,7 +90,7 @@ def _cmd_start(nodes: int, port: int | None) -> int:
     data = state_dir() / "cluster"
     shutil.rmtree(data, ignore_errors=True)
     base = DEFAULT_CLI_PORT if port is None else port
-    cluster = LocalCluster(nodes=nodes, data_dir=data, base_port=base)
+    cluster = LocalCluster(nodes=nodes, data_dir=data, base_port=base, die_with_parent=False)
     cluster.start()
     _save_state(cluster)
     cluster.detach()
