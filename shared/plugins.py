@@ -18,7 +18,7 @@ from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Literal, TypeVar, cast
 
-from rlbus.api import Agent, Task, Verifier
+from rlbus.api import Agent, ChatAgent, Task, Verifier
 
 Kind = Literal["task", "agent", "verifier"]
 GROUPS: dict[Kind, str] = {
@@ -26,7 +26,8 @@ GROUPS: dict[Kind, str] = {
     "agent": "rlbus.agents",
     "verifier": "rlbus.verifiers",
 }
-_BASES: dict[Kind, type] = {"task": Task, "agent": Agent, "verifier": Verifier}
+_BASES: dict[Kind, tuple[type, ...]] = {
+    "task": (Task,), "agent": (Agent, ChatAgent), "verifier": (Verifier,)}
 T = TypeVar("T")
 
 
@@ -87,9 +88,10 @@ def _from_entry_point(kind: Kind, ep: EntryPoint) -> Any:
 
 def _instance(kind: Kind, ref: str, obj: Any) -> Any:
     base = _BASES[kind]
+    wanted = " or ".join(b.__name__ for b in base)
     if isinstance(obj, type):
         if not issubclass(obj, base):
-            raise PluginError(f"{ref!r} is {obj.__qualname__}, not a subclass of {base.__name__}")
+            raise PluginError(f"{ref!r} is {obj.__qualname__}, not a subclass of {wanted}")
         try:
             obj = obj()
         except Exception as exc:
@@ -98,7 +100,7 @@ def _instance(kind: Kind, ref: str, obj: Any) -> Any:
                 f"{_where(exc)}"
             ) from exc
     if not isinstance(obj, base):
-        raise PluginError(f"{ref!r} is a {type(obj).__name__}, not a {base.__name__}")
+        raise PluginError(f"{ref!r} is a {type(obj).__name__}, not a {wanted}")
     return obj
 
 
@@ -116,8 +118,8 @@ def task(ref: str) -> Task:
     return cast(Task, load("task", ref))
 
 
-def agent(ref: str) -> Agent:
-    return cast(Agent, load("agent", ref))
+def agent(ref: str) -> Agent | ChatAgent:
+    return cast(Agent | ChatAgent, load("agent", ref))
 
 
 def verifier(ref: str) -> Verifier:

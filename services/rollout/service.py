@@ -18,10 +18,21 @@ import zlib
 from typing import Any, Literal
 
 from rlbus import plugins, telemetry
-from rlbus.api import Agent, Env, Episode, Generation, StepOutcome, Task, TaskSpec
+from rlbus.api import (
+    Agent,
+    ChatAgent,
+    ChatSession,
+    Env,
+    Episode,
+    Generation,
+    StepOutcome,
+    Task,
+    TaskSpec,
+)
 from rlbus.limits import check_prompt
 from rlbus.messages import Prompt, Sampling, StepRequest, StepResult, Trajectory, Turn
 from rlbus.service import Service
+from rlbus.services.rollout.gateway import Gateway
 from rlbus.services.rollout.settings import RolloutSettings
 from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer
 
@@ -114,11 +125,12 @@ class Rollout(Service[RolloutSettings]):
         self._pending: dict[str, asyncio.Future[StepResult]] = {}
         self._groups: set[asyncio.Task[None]] = set()
         self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
+        self.gateway: Gateway | None = None  # started in setup for a ChatAgent
 
     async def setup(self) -> None:
         # a broken plugin is a startup error naming its entry point
         log.info("tasks: %s", ", ".join(plugins.check_all("task")))
-        self.agent: Agent = plugins.agent(self.settings.agent)
+        self.agent: Agent | ChatAgent = plugins.agent(self.settings.agent)
         if self.tokenizer is None and self.settings.tokenizer == "synthetic":
             self.tokenizer = SyntheticTokenizer()
         elif self.tokenizer is None:
@@ -133,6 +145,13 @@ class Rollout(Service[RolloutSettings]):
         self.prompts: Consumer[Prompt] = await self.bus.consumer(
             [self.topics.prompts], Prompt, group_id=self.group
         )
+        if isinstance(self.agent, ChatAgent):
+            if not hasattr(self.tokenizer, "tok"):
+                raise ValueError(f"agent {self.settings.agent!r} talks to the OpenAI gateway, "
+                                 "which needs the policy's own tokenizer (RLBUS_TOKENIZER=hf)")
+            self.gateway = Gateway(self.settings.served_model_name, self.settings.gateway_host,
+                                   self.settings.gateway_port)
+            await self.gateway.start()
         self.spawn("replies", self._read_replies())
         log.info("%s reads replies on partition %d", self.member, self.reply_partition)
 
@@ -257,12 +276,30 @@ class Rollout(Service[RolloutSettings]):
     async def _play(self, task: Task, prompt: Prompt, episode_id: str, turns: list[Turn]) -> None:
         """One episode by the configured agent; ``turns`` keeps what it recorded."""
         assert self.tokenizer is not None
+        policy = KafkaPolicy(self, prompt, episode_id)
+        env = TracedEnv(task.make_env(), self.member)
+        if isinstance(self.agent, ChatAgent):
+            await self._play_chat(self.agent, task, prompt, env, policy, turns)
+            return
         await self.agent.run(Episode(
-            task=task, spec=prompt.spec, env=TracedEnv(task.make_env(), self.member),
-            policy=KafkaPolicy(self, prompt, episode_id), tokenizer=self.tokenizer,
+            task=task, spec=prompt.spec, env=env, policy=policy, tokenizer=self.tokenizer,
             sampling=prompt.sampling, max_context_tokens=self.settings.max_context_tokens,
             timeout_s=self.settings.env_timeout_s, turns=turns,
         ))
+
+    async def _play_chat(self, agent: ChatAgent, task: Task, prompt: Prompt, env: Env,
+                         policy: KafkaPolicy, turns: list[Turn]) -> None:
+        """Agent code with an OpenAI client: a gateway session is the episode."""
+        assert self.gateway is not None and self.tokenizer is not None
+        async with self.gateway.session(
+            policy=policy, tokenizer=self.tokenizer.tok, sampling=prompt.sampling,
+            max_context_tokens=self.settings.max_context_tokens, turns=turns,
+        ) as session:
+            chat = ChatSession(base_url=self.gateway.base_url(session.id), api_key=session.id,
+                               model=self.gateway.model, task=task, spec=prompt.spec, env=env)
+            await asyncio.wait_for(agent.run(chat), self.settings.agent_timeout_s)
+            if session.failed:  # the agent may have caught the error: the episode has not
+                raise EpisodeFailed(session.failed)
 
     async def _ask(self, episode_id: str, turn: int, context: list[int], p: Prompt,
                    sampling: Sampling) -> StepResult:
@@ -321,3 +358,7 @@ class Rollout(Service[RolloutSettings]):
             task.cancel()
         if hasattr(self, "prompts"):
             await self.prompts.commit()
+
+    async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()

@@ -42,4 +42,13 @@ class RolloutSettings(ServiceSettings):
     complete turn (it is scored as it stands)."""
     agent: str = "multi_turn"
     """The agent that plays each episode: an ``rlbus.agents`` entry point or an import
-    string ``package.module:attr`` (docs/extending.md)."""
+    string ``package.module:attr`` (docs/extending.md). A ChatAgent gets an OpenAI endpoint
+    per episode from this instance's gateway."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest a ChatAgent's episode may run (its calls included) before it fails."""
+    gateway_host: str = "127.0.0.1"
+    """Where the OpenAI gateway listens (ChatAgents only); the agents run in this process."""
+    gateway_port: int = Field(default=0, ge=0, le=65535)
+    """Its port; 0 picks a free one."""
+    served_model_name: str = "policy"
+    """The model name the gateway answers to (``/v1/models``)."""

@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaConsumer
 
 from rlbus.codec import decode
 from rlbus.messages import ScoredTrajectory
+from rlbus.services.learner.chat_model import build_chat_model
 from rlbus.services.learner.tiny_model import build_tiny_model
 from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
@@ -36,7 +37,11 @@ def installed_example():
            "-e", str(EXAMPLE)]
     done = subprocess.run(pip, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+    # processes started from now on import it through the install's .pth; this one, which
+    # read its .pth files at start, needs the folder on its path
+    sys.path.insert(0, str(EXAMPLE))
     yield
+    sys.path.remove(str(EXAMPLE))
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", "rlbus-calculator"],
                    capture_output=True, timeout=120, check=False)
 
@@ -53,12 +58,18 @@ async def _scored(bootstrap: str, topic: str) -> list[ScoredTrajectory]:
         await consumer.stop()
 
 
+@pytest.mark.parametrize("agent", ["multi_turn", "calculator_chat"])
 def test_an_installed_plugin_trains_through_all_four_tiers(
-    installed_example, kafka_bootstrap, unique_name, tmp_path
+    installed_example, kafka_bootstrap, unique_name, tmp_path, agent
 ):
+    """multi_turn: rlbus's own agent on the demo's word-level model; calculator_chat: the
+    package's agent written with the openai SDK, through the gateway, on a chat model."""
     from rlbus_calculator import WORDS
 
-    model = build_tiny_model(tmp_path / "model", size="tiny", seed=0, words=WORDS)
+    if agent == "multi_turn":
+        model = build_tiny_model(tmp_path / "model", size="tiny", seed=0, words=WORDS)
+    else:
+        model = build_chat_model(tmp_path / "model")
     prefix = unique_name("plugin")
     topics = TopicSettings(prefix=prefix, partitions=2, result_partitions=2)
     asyncio.run(ensure_topics(KafkaSettings(bootstrap=kafka_bootstrap), topics))
@@ -76,14 +87,14 @@ def test_an_installed_plugin_trains_through_all_four_tiers(
     envs = {
         "inference": {**base},
         "reward": {k: v for k, v in base.items() if k != "RLBUS_MODEL_PATH"},
-        "rollout": {**base},
+        "rollout": {**base, "RLBUS_AGENT": agent},
         "learner": {
             **base,
             "RLBUS_TASK": "calculator",
             "RLBUS_MAX_STEPS": str(STEPS),
             "RLBUS_GROUPS_PER_STEP": str(GROUPS),
             "RLBUS_GROUP_SIZE": str(GROUP_SIZE),
-            "RLBUS_MAX_NEW_TOKENS": "4",
+            "RLBUS_MAX_NEW_TOKENS": "4" if agent == "multi_turn" else "12",
             "RLBUS_WEIGHTS_DIR": str(tmp_path / "weights"),
             "RLBUS_CHECKPOINT_DIR": str(tmp_path / "checkpoint"),
             "RLBUS_METRICS_FILE": str(metrics),
@@ -119,6 +130,10 @@ def test_an_installed_plugin_trains_through_all_four_tiers(
     assert {s.verifier for s in ok} == {"calculator"}
     assert all({"tool_calls", "tool_errors", "answered"} <= set(s.info) for s in ok)
     assert {s.trajectory.task for s in train} == {"calculator"}
-    # the environment showed its tool to the policy: the first observation lists it
     rollout_log = procs.get("rollout-0").log.read_text()
     assert "calculator" in rollout_log  # listed among the installed tasks at startup
+    if agent == "calculator_chat":
+        assert "gateway serving http://127.0.0.1:" in rollout_log
+        # every turn is a gateway call: the first prompt is the chat template's rendering
+        first = ok[0].trajectory.turns[0]
+        assert first.input_ids and all(t.action is not None for t in ok[0].trajectory.turns)
