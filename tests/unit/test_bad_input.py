@@ -23,8 +23,9 @@ from rlbus.services.rollout.settings import RolloutSettings
 from rlbus.settings import TopicSettings
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, memory_broker
-from rlbus.transport import MemoryBroker, MemoryBus
+from rlbus.transport import MemoryBus
 from tests import factories
+from tests.support.services import read_log, run_until
 
 TOPICS = TopicSettings(prefix="bad", partitions=1, result_partitions=1)
 T = Topics(TOPICS)
@@ -85,27 +86,6 @@ def broken_tasks():
     return MODES
 
 
-def _read(broker: MemoryBroker, topic: str, cls):
-    from rlbus.codec import decode
-
-    return [decode(r.value, cls) for part in broker.logs.get(topic, []) for r in part]
-
-
-async def _run(services, until, limit_s: float = 20.0) -> None:
-    tasks = [asyncio.create_task(s.run()) for s in services]
-    try:
-        async with asyncio.timeout(limit_s):
-            while not until():
-                for t in tasks:
-                    if t.done():
-                        t.result()  # a crashed service fails the test right here
-                await asyncio.sleep(0.05)
-    finally:
-        for s in services:
-            s.request_stop("test over")
-        await asyncio.gather(*tasks)
-
-
 def _prompt(task: str, group: str, spec: dict | None = None) -> Prompt:
     spec = spec or GuessNumber().sample(random.Random(group))
     return Prompt(group_id=group, task=task, spec=spec, group_size=2)
@@ -122,10 +102,11 @@ async def test_environments_that_raise_or_hang_fail_their_episode_only(broken_ta
         MemoryBus(broker),
     )
     inference = Inference(InferenceSettings(topics=TOPICS, engine="synthetic"), MemoryBus(broker))
-    await _run([rollout, inference], lambda: len(_read(broker, T.trajectories, Trajectory)) == 8)
+    await run_until([rollout, inference],
+                    lambda: len(read_log(broker, T.trajectories, Trajectory)) == 8)
 
     by_group = {}
-    for t in _read(broker, T.trajectories, Trajectory):
+    for t in read_log(broker, T.trajectories, Trajectory):
         by_group.setdefault(t.group_id, []).append(t)
     assert {t.status for t in by_group["g-guess_number"]} == {"ok"}
     for group, needle in (
@@ -151,10 +132,10 @@ async def test_verifiers_that_raise_hang_or_return_nan_mask_their_sample(broken_
         )
         await producer.send(T.trajectories, t)
     reward = Reward(RewardSettings(topics=TOPICS, verifier_timeout_s=0.5), MemoryBus(broker))
-    await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 4)
+    await run_until([reward], lambda: len(read_log(broker, T.scored, ScoredTrajectory)) == 4)
 
     by_ref = {ref(task): task for task in tasks}
-    scored = {by_ref[s.trajectory.task]: s for s in _read(broker, T.scored, ScoredTrajectory)}
+    scored = {by_ref[s.trajectory.task]: s for s in read_log(broker, T.scored, ScoredTrajectory)}
     assert scored["guess_number"].valid
     for task, needle in (
         ("score-raises", "ZeroDivisionError: verifier bug"),
@@ -176,8 +157,8 @@ async def test_invalid_trajectory_and_nan_reward_become_dead_letters(caplog):
     await producer.send_raw(T.trajectories, msgpack.packb(bad))
     await producer.send(T.trajectories, factories.trajectory("good"))
     reward = Reward(RewardSettings(topics=TOPICS), MemoryBus(broker, dlq_topic=T.dlq))
-    await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 1)
-    (letter,) = _read(broker, T.dlq, DeadLetter)
+    await run_until([reward], lambda: len(read_log(broker, T.scored, ScoredTrajectory)) == 1)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "1 logprobs for 2 completion tokens" in letter.error
     assert letter.source_topic == T.trajectories and letter.offset == 0
     assert "dead letter" in caplog.text
@@ -190,7 +171,7 @@ async def test_invalid_trajectory_and_nan_reward_become_dead_letters(caplog):
     )
     got = await consumer.poll(0.1)
     assert [d.message.trajectory.group_id for d in got] == ["good"]
-    letters = _read(broker, T.dlq, DeadLetter)
+    letters = read_log(broker, T.dlq, DeadLetter)
     assert "reward must be finite" in letters[-1].error
 
 
@@ -210,8 +191,9 @@ async def test_oversized_trajectory_is_published_as_a_failed_stub():
         InferenceSettings(topics=topics, engine="synthetic", synthetic={"completion_tokens": 64}),
         MemoryBus(broker),
     )
-    await _run([rollout, inference], lambda: len(_read(broker, t.trajectories, Trajectory)) == 2)
-    for traj in _read(broker, t.trajectories, Trajectory):
+    await run_until([rollout, inference],
+                    lambda: len(read_log(broker, t.trajectories, Trajectory)) == 2)
+    for traj in read_log(broker, t.trajectories, Trajectory):
         assert traj.status == "failed" and traj.turns == []
         assert "topics accept 1100" in traj.error
     assert broker.groups["big.rollout"].committed[(t.prompts, 0)] == 1

@@ -3,7 +3,6 @@ group that crashes is retried a bounded number of times, then dead-lettered, nev
 
 from __future__ import annotations
 
-import asyncio
 import random
 import resource
 import time
@@ -30,30 +29,12 @@ from rlbus.services.rollout.settings import RolloutSettings
 from rlbus.settings import TopicSettings
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, memory_broker
-from rlbus.transport import MemoryBroker, MemoryBus
+from rlbus.transport import MemoryBus
 from tests import factories
+from tests.support.services import read_log, run_until
 
 TOPICS = TopicSettings(prefix="lim", partitions=1, result_partitions=1)
 T = Topics(TOPICS)
-
-
-def _read(broker: MemoryBroker, topic: str, cls):
-    return [decode(r.value, cls) for part in broker.logs.get(topic, []) for r in part]
-
-
-async def _run(services, until, limit_s: float = 20.0) -> None:
-    tasks = [asyncio.create_task(s.run()) for s in services]
-    try:
-        async with asyncio.timeout(limit_s):
-            while not until():
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                await asyncio.sleep(0.05)
-    finally:
-        for s in services:
-            s.request_stop("test over")
-        await asyncio.gather(*tasks)
 
 
 def _prompt(group: str, **update) -> Prompt:
@@ -90,14 +71,15 @@ async def test_a_poison_prompt_is_dead_lettered_before_any_allocation(caplog):
                           MemoryBus(broker))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
-    await _run([rollout, inference], lambda: len(_read(broker, T.trajectories, Trajectory)) == 4)
+    await run_until([rollout, inference],
+                    lambda: len(read_log(broker, T.trajectories, Trajectory)) == 4)
     assert time.monotonic() - started < 10
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grown_mb < 200  # 10^9 episodes were never started
-    (letter,) = _read(broker, T.dlq, DeadLetter)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "group_size 1000000000 is over the limit 256" in letter.error
     assert letter.offset == 1 and decode(letter.payload, Prompt).group_id == "poison"
-    assert {t.group_id for t in _read(broker, T.trajectories, Trajectory)} == {"ok-1", "ok-2"}
+    assert {t.group_id for t in read_log(broker, T.trajectories, Trajectory)} == {"ok-1", "ok-2"}
     assert broker.groups["lim.rollout"].committed[(T.prompts, 0)] == 3  # never read again
 
 
@@ -113,12 +95,12 @@ async def test_a_step_request_over_a_limit_is_refused_and_answered_with_an_error
     await producer.send(T.steps, fine)
     inference = Inference(InferenceSettings(topics=TOPICS, engine="synthetic"),
                           MemoryBus(broker, dlq_topic=T.dlq))
-    await _run([inference], lambda: len(_read(broker, T.results, StepResult)) == 2)
-    results = {r.request_id: r for r in _read(broker, T.results, StepResult)}
+    await run_until([inference], lambda: len(read_log(broker, T.results, StepResult)) == 2)
+    results = {r.request_id: r for r in read_log(broker, T.results, StepResult)}
     assert results["e/t0"].finish_reason == "error"
     assert "max_new_tokens 1000000 is over the limit" in results["e/t0"].error
     assert results["f/t0"].finish_reason != "error"
-    (letter,) = _read(broker, T.dlq, DeadLetter)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert letter.source_topic == T.steps and letter.offset == 0
     assert broker.groups["lim.inference"].committed[(T.steps, 0)] == 2
 
@@ -131,8 +113,8 @@ async def test_reward_dead_letters_a_trajectory_whose_group_could_never_complete
         update={"group_size": 10**9}))
     await producer.send(T.trajectories, factories.trajectory("fine"))
     reward = Reward(RewardSettings(topics=TOPICS), MemoryBus(broker, dlq_topic=T.dlq))
-    await _run([reward], lambda: len(_read(broker, T.scored, ScoredTrajectory)) == 1)
-    (letter,) = _read(broker, T.dlq, DeadLetter)
+    await run_until([reward], lambda: len(read_log(broker, T.scored, ScoredTrajectory)) == 1)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "group_size 1000000000" in letter.error
     assert broker.groups["lim.reward"].committed[(T.trajectories, 0)] == 2
 
@@ -157,11 +139,11 @@ async def test_a_crashing_group_is_retried_then_dead_lettered_and_commits_advanc
         await real(task, prompt, index, parent)
 
     rollout._traced_episode = flaky  # type: ignore[method-assign]
-    await _run([rollout, inference],
+    await run_until([rollout, inference],
                lambda: broker.groups.get("lim.rollout") is not None
                and broker.groups["lim.rollout"].committed.get((T.prompts, 0)) == 2)
-    (letter,) = _read(broker, T.dlq, DeadLetter)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "group failed on attempt 2: ConnectionError: broker went away" in letter.error
     assert len(attempts) == 2 * 2  # two attempts of a group of two
-    assert {t.group_id for t in _read(broker, T.trajectories, Trajectory)} == {"fine"}
+    assert {t.group_id for t in read_log(broker, T.trajectories, Trajectory)} == {"fine"}
     assert rollout.counters["group_crashes"] == 2
