@@ -93,3 +93,39 @@ async def test_a_poison_prompt_is_dead_lettered_once_and_never_read_again(
     assert letter.source_topic == t.prompts and letter.offset == 1
     assert "group_size 1000000000 is over the limit 256" in letter.error
     assert decode(letter.payload, Prompt).group_id == "poison"
+
+
+async def test_a_rollout_process_fed_the_pill_still_stops_on_sigterm(
+    kafka_bootstrap, unique_name, tmp_path
+):
+    """The pill used to make the process allocate without bound and ignore SIGTERM."""
+    import signal
+    import time
+
+    from rlbus.services.ops.launcher import ServiceProcesses, child_env
+
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
+    topics = TopicSettings(prefix=unique_name("pill"), partitions=1, result_partitions=1)
+    await ensure_topics(kafka, topics)
+    t = Topics(topics)
+    procs = ServiceProcesses(tmp_path)
+    rollout = procs.spawn("rollout", 0, child_env({
+        "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.prefix,
+        "RLBUS_TOPICS__PARTITIONS": "1", "RLBUS_TOPICS__RESULT_PARTITIONS": "1",
+        "RLBUS_TOKENIZER": "synthetic", "PYTHONUNBUFFERED": "1"}))
+    try:
+        sender = KafkaBus(kafka, dlq_topic=None, service="test")
+        producer = await sender.producer()
+        await producer.send(t.prompts, Prompt(group_id="pill", task="guess_number", spec={},
+                                              group_size=10**9), key="pill")
+        await sender.close()
+        deadline = time.monotonic() + 60
+        while "prompt pill dead-lettered" not in rollout.log.read_text():
+            assert rollout.alive and time.monotonic() < deadline, rollout.tail(30)
+            await asyncio.sleep(0.2)
+        started = time.monotonic()
+        rollout.popen.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(rollout.popen.wait, 40) == 0, rollout.tail(30)
+        assert time.monotonic() - started < 30  # within drain_timeout_s
+    finally:
+        procs.stop(timeout=10)
