@@ -98,3 +98,102 @@ async def test_a_chat_agent_needs_the_policy_tokenizer(unique_name):
                       MemoryBus(memory_broker(topics)))
     with pytest.raises(ValueError, match="needs the policy's own tokenizer"):
         await asyncio.wait_for(rollout.run(), 30)
+
+
+# ------------------------------------------------------- the gateway's edge cases, over Kafka
+
+
+class Idle(ChatAgent):
+    """Makes the rollout start its gateway; the test opens sessions itself."""
+
+    async def run(self, session: ChatSession) -> None:
+        raise RuntimeError("no prompts are fed in these tests")
+
+
+@pytest.fixture
+async def served(kafka_bootstrap, unique_name, chat_model):
+    """A rollout instance with its gateway, and an inference replica (synthetic engine,
+    400 ms a batch, so a call can be interrupted), over the real broker."""
+    from rlbus.services.inference.service import Inference
+    from rlbus.services.inference.settings import InferenceSettings
+    from rlbus.services.rollout.service import Rollout
+    from rlbus.services.rollout.settings import RolloutSettings
+
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
+    topics = TopicSettings(prefix=unique_name("gwe"), partitions=1, result_partitions=1)
+    await ensure_topics(kafka, topics)
+    common = {"kafka": kafka, "topics": topics}
+    inference = Inference(InferenceSettings(**common, engine="synthetic",
+                                            synthetic={"base_ms": 400, "per_token_ms": 0}),
+                          KafkaBus(kafka, dlq_topic=None, service="inference"))
+    rollout = Rollout(RolloutSettings(**common, model_path=chat_model,
+                                      agent=f"{__name__}:Idle", max_context_tokens=512),
+                      KafkaBus(kafka, dlq_topic=None, service="rollout"))
+    runs = [asyncio.create_task(s.run()) for s in (inference, rollout)]
+    while rollout.gateway is None or rollout.gateway.port == 0:
+        for r in runs:
+            if r.done():
+                r.result()
+        await asyncio.sleep(0.05)
+    yield rollout
+    for s in (inference, rollout):
+        s.request_stop("test over")
+    await asyncio.gather(*runs)
+
+
+def _session(rollout, name: str):
+    from rlbus.messages import Prompt, Sampling
+    from rlbus.services.rollout.service import KafkaPolicy
+
+    prompt = Prompt(group_id=name, task="guess_number", spec={}, group_size=1,
+                    sampling=Sampling(max_new_tokens=8))
+    return rollout.gateway.session(policy=KafkaPolicy(rollout, prompt, f"{name}/0"),
+                                   tokenizer=rollout.tokenizer.tok, sampling=prompt.sampling,
+                                   max_context_tokens=512)
+
+
+async def test_plain_and_multi_turn_chat_over_kafka(served):
+    async with _session(served, "chat") as s:
+        client = openai.AsyncOpenAI(base_url=served.gateway.base_url(s.id), api_key=s.id,
+                                    max_retries=0)
+        messages: list = [{"role": "user", "content": "hello"}]
+        for turn in range(3):
+            r = await client.chat.completions.create(model="policy", messages=messages,
+                                                     tools=TOOLS)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": f"and now {turn}?"})
+        assert s.failed is None and len(s.turns) == 3
+        assert all(t.policy_version == 0 and len(t.completion_ids) == 8 for t in s.turns)
+        await client.close()
+        assert r.usage.prompt_tokens == sum(len(t.input_ids) + len(t.completion_ids)
+                                            for t in s.turns[:2]) + len(s.turns[2].input_ids)
+
+
+async def test_bad_requests_and_a_disconnect_over_kafka(served):
+    async with _session(served, "bad") as s:
+        client = openai.AsyncOpenAI(base_url=served.gateway.base_url(s.id), api_key=s.id,
+                                    max_retries=0)
+        hi = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="nope", messages=hi)
+        with pytest.raises(openai.BadRequestError, match="context is 512 tokens") as err:
+            await client.chat.completions.create(model="policy", messages=hi, max_tokens=600)
+        assert err.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            await client.chat.completions.create(model="policy", messages=hi, n=3)
+        with pytest.raises(openai.BadRequestError, match="unsupported parameter: top_logprobs"):
+            await client.chat.completions.create(model="policy", messages=hi, top_logprobs=2)
+        assert s.failed is None and not s.turns
+        impatient = openai.AsyncOpenAI(base_url=served.gateway.base_url(s.id), api_key=s.id,
+                                       max_retries=0, timeout=0.1)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model="policy", messages=hi)
+        for _ in range(50):
+            if s.failed:
+                break
+            await asyncio.sleep(0.05)
+        assert s.failed == "the client disconnected mid-call" and not s.turns
+        await client.close()
+        await impatient.close()
+    await asyncio.sleep(1)  # the late answer arrives and is dropped, not delivered
+    assert not served._pending  # no request left waiting
