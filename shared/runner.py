@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlbus import telemetry
+from rlbus.plugins import PluginError
 from rlbus.settings import ServiceSettings, UnknownSettingError
 from rlbus.transport import BrokerConnectError
 
@@ -59,11 +60,13 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
         raise SystemExit(f"rlbus {name}: invalid settings:\n{exc}") from None
     configure_logging(settings.log_level)
     telemetry.setup(f"rlbus-{name}")
-    service = load(SERVICES[name][1])(settings)
     try:
+        service = load(SERVICES[name][1])(settings)
         summary: dict[str, Any] = asyncio.run(service.serve())
     except BrokerConnectError as exc:
         raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
+    except PluginError as exc:  # a task, agent or verifier that cannot be found or loaded
+        raise SystemExit(f"rlbus {name}: {exc}") from None
     finally:
         telemetry.shutdown()
     return summary

@@ -305,3 +305,18 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return "zombie" not in state
+
+
+def test_a_service_naming_a_missing_plugin_exits_with_one_clear_line():
+    import subprocess
+    import sys
+
+    from rlbus.services.ops.launcher import child_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "rlbus.services.ops.cli", "run", "learner"],
+        env=child_env({"RLBUS_TASK": "nope", "RLBUS_TRAINER": "synthetic"}),
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert "rlbus learner: no task named 'nope': installed tasks are [" in done.stderr
+    assert "Traceback" not in done.stderr
