@@ -99,8 +99,26 @@ def _session(gateway: Gateway, request: Request, session_id: str | None) -> Sess
     return session
 
 
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Largest request body read; a bigger one is a 413 before it is held in memory."""
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                           code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
+    return bytes(body)
+
+
 async def _parse(request: Request) -> ChatRequest:
-    body = await request.body()
+    body = await _read_body(request)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

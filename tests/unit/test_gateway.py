@@ -169,6 +169,16 @@ async def test_bad_requests_get_openai_errors_never_a_500(gateway, tokenizer):
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
             r = await raw.get("/nope")
             assert r.status_code == 404 and "error" in r.json()
+            r = await raw.post("/chat/completions", content=b"x" * (17 * 1024 * 1024),
+                               headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+            async def chunks():  # no content-length: the cap holds on the stream too
+                for _ in range(20):
+                    yield b"y" * (1024 * 1024)
+
+            r = await raw.post("/chat/completions", content=chunks())
+            assert r.status_code == 413
         assert s.failed is None and not s.turns  # none of it reached the policy
 
 
