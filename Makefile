@@ -1,15 +1,17 @@
 # rlbus: the two commands a new user needs are `make demo` and `make test`.
 # Both install what they need: a virtualenv (.venv, reused), the package with its dev extras
-# (pip's cache is reused, so torch downloads once), Java + Maven if missing (apt), and the
-# Kafka jars (resolved by Maven into ~/.cache/rlbus, reused).
+# (pip's cache is reused, so torch downloads once), Java + Maven and bubblewrap if missing
+# (apt), and the Kafka jars (resolved by Maven into ~/.cache/rlbus, reused). `make test` also
+# builds vLLM's own virtualenv (.venv-vllm, reused) for the vllm engine's tests.
 
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit integration lint loadtest up down install jars java bwrap clean
+.PHONY: demo test unit integration lint loadtest up down install jars java bwrap clean vllm-env
 
 install: $(STAMP) bwrap
 
@@ -28,6 +30,11 @@ bwrap:
 	@command -v bwrap >/dev/null || { \
 	  echo "installing bubblewrap for the code sandbox (apt-get)"; \
 	  apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
+
+# vLLM pins its own torch, so RLBUS_ENGINE=vllm runs from a virtualenv of its own; on a machine
+# without a GPU, vLLM's CPU backend. About 2-3 min and 6 GB the first time, ~10 s after.
+vllm-env:
+	VLLM_VENV=$(VLLM_VENV) PY=$(PY) bash scripts/vllm_env.sh
 
 jars: install java
 	$(BIN)/python -c "from rlbus.services.ops.broker import resolve_jars; print('kafka jars:', resolve_jars())"
@@ -48,7 +55,7 @@ unit: install
 integration: jars
 	$(BIN)/pytest tests/integration $(PYTEST_ARGS)
 
-test: lint jars
+test: lint jars vllm-env
 	$(BIN)/pytest tests $(PYTEST_ARGS)
 
 demo: jars
@@ -64,4 +71,4 @@ down:
 	docker compose down -v
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache runs

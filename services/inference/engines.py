@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import random
+import sys
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -165,7 +166,19 @@ def make_engine(settings: InferenceSettings) -> Engine:
         return HFEngine(settings)
     if settings.engine == "synthetic":
         return SyntheticEngine(settings)
-    raise NotImplementedError(
-        "the vllm engine is not implemented yet; use RLBUS_ENGINE=hf (RLBUS_DEVICE=cuda:0, "
-        "RLBUS_DTYPE=bfloat16 on a GPU)"
-    )
+    return _vllm_engine(settings)
+
+
+def _vllm_engine(settings: InferenceSettings) -> Engine:
+    """vLLM pins its own torch, so it lives in a virtualenv of its own (.venv-vllm)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"RLBUS_ENGINE=vllm needs vLLM, which this Python ({sys.executable}) cannot "
+            f"import ({exc}); build its virtualenv with `make vllm-env` and run the service "
+            "with .venv-vllm/bin/python -m rlbus.services.inference"
+        ) from None
+    from rlbus.services.inference.vllm_engine import VLLMEngine
+
+    return VLLMEngine(settings)

@@ -29,8 +29,8 @@ class InferenceSettings(ServiceSettings):
     """One inference replica: a consumer of steps that answers with completions."""
 
     engine: Literal["hf", "synthetic", "vllm"] = "hf"
-    """hf: transformers + torch (CPU or GPU); synthetic: latency only; vllm: reserved for
-    vLLM's async engine (not implemented yet: refused at start with that message)."""
+    """hf: transformers + torch (CPU or GPU); synthetic: latency only; vllm: vLLM's async
+    engine (continuous batching; needs the vLLM virtualenv, ``make vllm-env``)."""
     model_path: Path | None = None
     """Folder of a Hugging Face causal LM (config, safetensors, tokenizer); not for synthetic."""
     model_name: str = "policy"
@@ -52,3 +52,18 @@ class InferenceSettings(ServiceSettings):
     """Sampling seed; each replica mixes in its instance name for a stream of its own."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
     """synthetic engine latency model."""
+    vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """vllm: share of the GPU's memory vLLM may take (weights + KV cache); ignored when
+    ``vllm_kv_cache_gib`` is set, and by the CPU backend."""
+    vllm_kv_cache_gib: float | None = Field(default=None, gt=0)
+    """vllm: GiB for the KV cache, fixed; None: sized by vLLM (GPU: from
+    ``vllm_gpu_memory_utilization``; CPU backend: VLLM_CPU_KVCACHE_SPACE or its default)."""
+    vllm_max_model_len: int | None = Field(default=None, ge=1)
+    """vllm: longest prompt + completion in tokens; None takes the model config's."""
+    vllm_max_num_seqs: int = Field(default=256, ge=1)
+    """vllm: most sequences the engine schedules at once (its continuous-batch width)."""
+    vllm_enforce_eager: bool = False
+    """vllm: no CUDA graphs / torch.compile (faster start, slower decode); tests set it."""
+    vllm_enable_prefix_caching: bool = True
+    """vllm: reuse the KV cache of shared prompt prefixes (multi-turn episodes); the cache
+    is reset on every weight load, so no prefix outlives the weights that computed it."""

@@ -270,7 +270,7 @@ def test_gpu_inference_is_an_opt_in_profile():
     cpu, gpu = services()["inference"], services()["inference-gpu"]
     assert "profiles" not in cpu
     assert gpu["profiles"] == ["gpu"]
-    assert environment(gpu)["RLBUS_ENGINE"] == "hf"  # vllm once its engine exists
+    assert environment(gpu)["RLBUS_ENGINE"] == "vllm"
     assert environment(gpu)["RLBUS_DEVICE"].startswith("cuda")
     assert environment(cpu)["RLBUS_ENGINE"] == "hf"
     assert gpu["build"]["target"] == "vllm"
