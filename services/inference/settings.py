@@ -53,8 +53,9 @@ class InferenceSettings(ServiceSettings):
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
     """synthetic engine latency model."""
     vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    """vllm: share of the GPU's memory vLLM may take (weights + KV cache); ignored when
-    ``vllm_kv_cache_gib`` is set, and by the CPU backend."""
+    """vllm: share of the GPU's memory vLLM may take (weights + KV cache); on the CPU
+    backend, despite the name, the share of the machine's memory it checks is free at
+    start (set ``vllm_kv_cache_gib`` and lower this on a shared CPU machine)."""
     vllm_kv_cache_gib: float | None = Field(default=None, gt=0)
     """vllm: GiB for the KV cache, fixed; None: sized by vLLM (GPU: from
     ``vllm_gpu_memory_utilization``; CPU backend: VLLM_CPU_KVCACHE_SPACE or its default)."""

@@ -30,9 +30,12 @@ MAX_NUMBER = 99
 # hidden, layers, heads, intermediate. "tiny" (90k parameters) is the cheapest per step.
 # "small" (~0.7M) needed the fewest episodes in an in-process GRPO sweep on guess_number:
 # one wide layer with 8 heads beat deeper, narrower models of similar cost.
+# "h64": head_dim 64, the smallest shape vLLM's CPU attention kernels accept (the demo on
+# RLBUS_ENGINE=vllm, and the hf engine beside it on the same shape).
 SIZES: dict[str, tuple[int, int, int, int]] = {
     "tiny": (64, 2, 4, 128),
     "small": (256, 1, 8, 512),
+    "h64": (128, 2, 2, 256),
 }
 
 

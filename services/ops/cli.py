@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollouts", type=int, default=1, help="rollout processes")
     demo.add_argument("--inference", type=int, default=1, help="inference processes")
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no live table")
+    demo.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                      help="inference engine (vllm: from --vllm-python's venv)")
+    demo.add_argument("--size", choices=("tiny", "small", "h64"), default=None,
+                      help="model shape (default tiny; h64 with --engine vllm)")
+    demo.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                      help="interpreter of vLLM's venv (make vllm-env)")
 
     run = sub.add_parser("run", help="run one service until SIGTERM")
     run.add_argument("service", choices=SERVICE_NAMES)

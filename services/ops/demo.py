@@ -47,6 +47,9 @@ class Demo:
     rollouts: int
     inference: int
     live: bool
+    engine: str = "hf"
+    size: str = "tiny"
+    vllm_python: str | None = None
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -73,7 +76,7 @@ class Demo:
         if not (model / "config.json").exists():
             from rlbus.services.learner.tiny_model import build_tiny_model
 
-            build_tiny_model(model)
+            build_tiny_model(model, size=self.size)
         self.model = model
         prefix = f"demo-{self.run_dir.name}"
         # Only the variables every service accepts: settings reject unknown RLBUS_* keys.
@@ -104,8 +107,14 @@ class Demo:
 
     def launch(self, env: dict[str, str]) -> None:
         model = {"RLBUS_MODEL_PATH": str(self.model)}
+        engine = {"RLBUS_ENGINE": self.engine}
+        if self.engine == "vllm":  # one shape for every request: no CUDA graphs to capture
+            engine |= {"RLBUS_VLLM_ENFORCE_EAGER": "true", "RLBUS_VLLM_MAX_MODEL_LEN": "256",
+                       # a tiny model: 1 GiB of KV cache, and no claim on most of the RAM
+                       # (on the CPU backend the "GPU" share is of the machine's memory)
+                       "RLBUS_VLLM_KV_CACHE_GIB": "1", "RLBUS_VLLM_GPU_MEMORY_UTILIZATION": "0.2"}
         extra: dict[str, dict[str, str]] = {
-            "inference": model,
+            "inference": {**model, **engine},
             "reward": {},
             "rollout": model,
             "learner": {
@@ -120,8 +129,10 @@ class Demo:
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
         for name, count in counts.items():
+            python = self.vllm_python if name == "inference" else None
             for i in range(count):
-                self.procs.spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)})
+                self.procs.spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)},
+                                 python=python)
 
     # -- running
 
@@ -164,6 +175,15 @@ def say(text: str) -> None:
     print(f"[rlbus demo] {text}", flush=True)
 
 
+def _vllm_python(args: argparse.Namespace) -> str:
+    """The vllm engine's interpreter: its own venv (vLLM pins its own torch)."""
+    python = Path(args.vllm_python)
+    if not python.is_file():
+        raise SystemExit(f"rlbus demo --engine vllm: no {python}; build vLLM's venv with "
+                         "`make vllm-env` (or point --vllm-python at one)")
+    return str(python.absolute())  # not resolve(): a venv's python is a symlink
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -177,6 +197,9 @@ def demo_command(args: argparse.Namespace) -> int:
         args.rollouts,
         args.inference,
         live=not args.no_progress and sys.stdout.isatty(),
+        engine=args.engine,
+        size=args.size or ("h64" if args.engine == "vllm" else "tiny"),
+        vllm_python=_vllm_python(args) if args.engine == "vllm" else None,
     )
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
@@ -202,6 +225,7 @@ def report(demo: Demo, reason: str) -> int:
 
     rows = read_metrics(demo.metrics)
     summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)
+    summary |= {"engine": demo.engine, "model_size": demo.size}
     (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plot(rows, demo.run_dir / "reward_curve.png")

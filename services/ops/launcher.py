@@ -85,9 +85,11 @@ class ServiceProcesses:
     profile_dir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
 
-    def spawn(self, service: str, index: int, env: dict[str, str]) -> Proc:
+    def spawn(self, service: str, index: int, env: dict[str, str],
+              python: str | None = None) -> Proc:
+        """``python``: another interpreter (the vllm engine's own venv); default this one."""
         label = f"{service}-{index}"
-        argv = [sys.executable, "-m", f"rlbus.services.{service}"]
+        argv = [python or sys.executable, "-m", f"rlbus.services.{service}"]
         if self.profile_dir is not None:
             argv[1:1] = ["-m", "cProfile", "-o", str(self.profile_dir / f"{label}.prof")]
         log = self.log_dir / f"{label}.log"
