@@ -1,7 +1,8 @@
 """Existing agent code, trained: a ChatAgent written with the official `openai` SDK plays
 episodes through the rollout tier's gateway, over the real broker, against a real (tiny,
 random-init Qwen2) chat model served by the `hf` engine, and the learner trains on the exact
-tokens recorded. 32 episodes run at once (4 groups of 8)."""
+tokens recorded. 32 episodes run at once (4 groups of 8). Then the gateway's edge cases over
+Kafka: chat, bad requests, a disconnect, and a tool round trip with a model taught to call."""
 
 from __future__ import annotations
 
@@ -197,3 +198,95 @@ async def test_bad_requests_and_a_disconnect_over_kafka(served):
         await impatient.close()
     await asyncio.sleep(1)  # the late answer arrives and is dropped, not delivered
     assert not served._pending  # no request left waiting
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tmp_path_factory):
+    """The chat model, taught (70-odd steps of supervised fine-tuning on one example) to
+    answer "what is 2 + 40?" with a well-formed call of its `add` tool: a random-init model
+    never writes one, and the round trip needs a model that does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = build_chat_model(tmp_path_factory.mktemp("tool_caller"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompt = tok.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                     tokenize=False)
+    p_ids = tok.encode(prompt, add_special_tokens=False)
+    t_ids = [*tok.encode(TOOL_CALL, add_special_tokens=False), tok.eos_token_id]
+    ids = torch.tensor([p_ids + t_ids])
+    labels = ids.clone()
+    labels[0, : len(p_ids)] = -100
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.01:
+            break
+    model.save_pretrained(folder)
+    return folder
+
+
+QUESTION = [{"role": "user", "content": "what is 2 + 40?"}]
+TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
+
+
+async def test_a_tool_round_trip_over_kafka(kafka_bootstrap, unique_name, tool_caller):
+    from rlbus.messages import Prompt, Sampling
+    from rlbus.services.inference.service import Inference
+    from rlbus.services.inference.settings import InferenceSettings
+    from rlbus.services.rollout.service import KafkaPolicy, Rollout
+    from rlbus.services.rollout.settings import RolloutSettings
+
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
+    topics = TopicSettings(prefix=unique_name("gwt"), partitions=1, result_partitions=1)
+    await ensure_topics(kafka, topics)
+    common = {"kafka": kafka, "topics": topics}
+    inference = Inference(InferenceSettings(**common, model_path=tool_caller, batch_wait_ms=1),
+                          KafkaBus(kafka, dlq_topic=None, service="inference"))
+    rollout = Rollout(RolloutSettings(**common, model_path=tool_caller,
+                                      agent=f"{__name__}:Idle"),
+                      KafkaBus(kafka, dlq_topic=None, service="rollout"))
+    runs = [asyncio.create_task(s.run()) for s in (inference, rollout)]
+    try:
+        while rollout.gateway is None or rollout.gateway.port == 0:
+            for r in runs:
+                if r.done():
+                    r.result()
+            await asyncio.sleep(0.05)
+        prompt = Prompt(group_id="tool", task="guess_number", spec={}, group_size=1,
+                        sampling=Sampling(max_new_tokens=40))
+        async with rollout.gateway.session(
+            policy=KafkaPolicy(rollout, prompt, "tool/0"), tokenizer=rollout.tokenizer.tok,
+            sampling=prompt.sampling, max_context_tokens=2048,
+        ) as s:
+            client = openai.AsyncOpenAI(base_url=rollout.gateway.base_url(s.id),
+                                        api_key=s.id, max_retries=0)
+            messages: list = list(QUESTION)
+            r = await client.chat.completions.create(model="policy", messages=messages,
+                                                     tools=TOOLS, temperature=0)
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+            (call,) = r.choices[0].message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert call.function.name == "add" and args == {"a": 2, "b": 40}
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(args["a"] + args["b"])})
+            again = await client.chat.completions.create(model="policy", messages=messages,
+                                                         tools=TOOLS, temperature=0,
+                                                         max_tokens=4)
+            assert again.choices[0].message.role == "assistant"
+            await client.close()
+        assert s.failed is None and len(s.turns) == 2
+        # the tool's answer reached the model as the template renders it, after its call
+        tok = rollout.tokenizer.tok
+        assert tok.decode(s.turns[0].completion_ids, skip_special_tokens=False).startswith(
+            TOOL_CALL)
+        assert "<tool_response>\n42\n</tool_response>" in tok.decode(s.turns[1].input_ids)
+    finally:
+        for svc in (inference, rollout):
+            svc.request_stop("test over")
+        await asyncio.gather(*runs)
