@@ -21,6 +21,10 @@ from collections.abc import Sequence
 SERVICE_NAMES = ("rollout", "inference", "reward", "learner")
 
 
+MODEL_SIZES = ("tiny", "small", "h64")
+"""The tiny model builder's sizes (tiny_model.SIZES; a test holds them equal): listed here
+because this module must not import torch."""
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlbus",
@@ -39,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no live table")
     demo.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                       help="inference engine (vllm: from --vllm-python's venv)")
-    demo.add_argument("--size", choices=("tiny", "small", "h64"), default=None,
+    demo.add_argument("--size", choices=MODEL_SIZES, default=None,
                       help="model shape (default tiny; h64 with --engine vllm)")
     demo.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                       help="interpreter of vLLM's venv (make vllm-env)")
@@ -57,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     init.add_argument("path", help="folder to create, e.g. models/tiny (RLBUS_MODEL_PATH)")
     init.add_argument(
-        "--size", choices=("tiny", "small"), default="tiny", help="tiny: 90k parameters"
+        "--size", choices=MODEL_SIZES, default="tiny",
+        help="tiny: 90k parameters; h64: head_dim 64, for the vllm engine"
     )  # the keys of rlbus.services.learner.tiny_model.SIZES, which imports torch
     init.add_argument("--seed", type=int, default=0, help="seed of the random init")
     init.add_argument(
