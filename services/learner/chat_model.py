@@ -34,7 +34,6 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from tokenizers import (
     AddedToken,
     Regex,
@@ -46,6 +45,8 @@ from tokenizers import (
     trainers,
 )
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rlbus.services.learner.tiny_model import save_random_init
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
@@ -214,9 +215,4 @@ def build_chat_model(folder: str | Path, *, seed: int = 0, vocab_size: int = 102
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(str(folder))
-    return folder
+    return save_random_init(Qwen2ForCausalLM, config, tokenizer, folder, seed)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -107,8 +108,15 @@ def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    return save_random_init(LlamaForCausalLM, config, tokenizer, folder, seed)
+
+
+def save_random_init(model_cls: Any, config: Any, tokenizer: Any, folder: Path,
+                     seed: int) -> Path:
+    """A random-init ``model_cls(config)`` (seeded), its generation config's pad/eos the
+    tokenizer's, saved to ``folder``; returns the folder."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(folder))
