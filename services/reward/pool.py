@@ -1,8 +1,10 @@
 """Verifiers in worker processes, each call under a deadline that really stops it.
 
-A verifier is user code: it may hang, burn CPU or leak. Each of ``workers`` processes (made
-by a forkserver, so they start clean of the service's threads and sockets; the installed
-plugins are imported as it starts) serves one call at a time over a pipe: the trajectory's
+A verifier is user code: it may hang, burn CPU or leak. Each of ``workers`` processes (a
+fresh ``python -m rlbus.services.reward.pool`` in a session of its own, so it starts clean of
+the service's threads and sockets and never re-runs the service's main module, as
+multiprocessing's start methods do; the installed plugins are imported as it starts) serves
+one call at a time over a socket pair: the trajectory's
 bytes in; ``("loaded",)`` once its verifier is imported (importing a plugin named by an
 import string for the first time is not the verifier's time: it gets ``LOAD_TIMEOUT_S``),
 then ``(name, reward, valid, info)`` or an error text. The service waits for the answer
@@ -17,15 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from rlbus.codec import decode, encode
 from rlbus.messages import Trajectory
+from rlbus.services.ops.launcher import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,7 @@ class VerifierFailed(RuntimeError):
 
 
 def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process
-    """The worker: one trajectory at a time, until the pipe closes."""
-    os.setsid()  # its own process group: a timeout kills whatever it started, too
+    """The worker: one trajectory at a time, until the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the service's to handle
     from rlbus import plugins
     from rlbus.services.reward.verifiers import resolve
@@ -79,12 +83,16 @@ def _wake(future: asyncio.Future[None]) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx: Any) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True,
-                                name="rlbus-verifier")
-        self.proc.start()
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # its own session: a timeout kills its process group, whatever it started too
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbus.services.reward.pool", str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env, start_new_session=True,
+            preexec_fn=die_with_parent)
         child.close()
+        self.conn = Connection(parent.detach())
 
     async def call(self, payload: bytes, timeout_s: float) -> tuple[Any, ...]:
         try:
@@ -95,7 +103,7 @@ class _Worker:
             return reply
         except EOFError:
             raise VerifierFailed(
-                f"verifier process died (exit code {self.proc.exitcode})") from None
+                f"verifier process died (exit code {self.proc.poll()})") from None
 
     async def _recv(self, timeout_s: float) -> Any:
         """The next message, waiting on the loop (never in ``recv``) for it to arrive."""
@@ -120,7 +128,8 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and what it started
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        self.proc.join(5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
         self.conn.close()
 
 
@@ -131,7 +140,6 @@ class VerifierPool:
         self.size = workers
         self.timeout_s = timeout_s
         self.killed = 0
-        self._ctx = multiprocessing.get_context("forkserver")
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: list[_Worker] = []
 
@@ -140,7 +148,7 @@ class VerifierPool:
             self._add()
 
     def _add(self) -> None:
-        w = _Worker(self._ctx)
+        w = _Worker()
         self._all.append(w)
         self._idle.put_nowait(w)
 
@@ -175,3 +183,7 @@ class VerifierPool:
         for w in self._all:
             w.kill()
         self._all.clear()
+
+
+if __name__ == "__main__":  # pragma: no cover - the worker process
+    _serve(Connection(int(sys.argv[1])))

@@ -320,3 +320,33 @@ def test_a_service_naming_a_missing_plugin_exits_with_one_clear_line():
     assert done.returncode == 1
     assert "rlbus learner: no task named 'nope': installed tasks are [" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_verifier_workers_never_rerun_the_callers_main_module(tmp_path):
+    """multiprocessing's start methods import the caller's __main__ in every worker: a
+    script without a main guard that embeds the reward tier would re-run itself there (its
+    verifiers hung). The workers are plain `python -m` processes instead."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "embed.py"
+    script.write_text(
+        "import asyncio\n"
+        "from rlbus.services.reward.pool import VerifierPool\n"
+        "from tests import factories\n"
+        "print('main module ran', flush=True)\n"
+        "async def main():\n"
+        "    pool = VerifierPool(workers=1, timeout_s=20)\n"
+        "    pool.start()\n"
+        "    t = factories.trajectory('g').model_copy(update={'spec': {\n"
+        "        'verifier': 'exact_match', 'answer': 'x'}})\n"
+        "    print(await pool.verify(t), flush=True)\n"
+        "    pool.close()\n"
+        "asyncio.run(main())\n")  # no `if __name__ == "__main__"` guard, on purpose
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": root},
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("main module ran") == 1, done.stdout
+    assert "('exact_match', " in done.stdout
