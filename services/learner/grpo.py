@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 Norm = Literal["token", "sequence", "dr_grpo"]
 
@@ -68,12 +69,18 @@ def policy_loss(
     clip_high: float = 0.2,
     norm: Norm = "token",
     max_tokens: int | None = None,
+    whole: Whole | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped surrogate loss (scalar) and stats: clip_frac, mean_ratio, approx_kl.
 
     logprobs, behaviour_logprobs, mask: (B, T), aligned per predicted token; mask is 1.0 on
     completion tokens. advantages: (B,) one per episode (GRPO), or (B, T) per token for
     turn-level credit. max_tokens (norm="dr_grpo" only) defaults to T.
+
+    ``whole``: when these B sequences are one micro-batch of a larger batch, the batch's
+    token and sequence counts; the loss is then this micro-batch's share of the whole
+    batch's loss, so the micro-batch losses sum (and their gradients accumulate) to exactly
+    the one-batch values.
     """
     mask = mask.float()
     log_ratio = logprobs - behaviour_logprobs  # (B, T)
@@ -82,19 +89,31 @@ def policy_loss(
     adv = adv if adv.dim() == 2 else adv.unsqueeze(1)  # (B, T) or (B, 1)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B, T)
-    loss = _reduce(per_token, mask, norm, max_tokens)
+    loss = _reduce(per_token, mask, norm, max_tokens, whole)
     return loss, _stats(ratio.detach(), log_ratio.detach(), adv, mask, clip_low, clip_high)
 
 
-def _reduce(per_token: Tensor, mask: Tensor, norm: Norm, max_tokens: int | None) -> Tensor:
+@dataclass(frozen=True)
+class Whole:
+    """Counts over the whole batch that a micro-batch's loss is normalised by."""
+
+    tokens: float  # loss-mask tokens of the whole batch
+    sequences: int  # sequences of the whole batch
+
+
+def _reduce(
+    per_token: Tensor, mask: Tensor, norm: Norm, max_tokens: int | None, whole: Whole | None
+) -> Tensor:
     """Average the (B, T) token losses into one scalar as `norm` prescribes."""
     summed = (per_token * mask).sum(dim=1)  # (B,)
+    tokens = mask.sum().clamp(min=1.0) if whole is None else max(whole.tokens, 1.0)
+    sequences = per_token.shape[0] if whole is None else whole.sequences
     if norm == "token":
-        return summed.sum() / mask.sum().clamp(min=1.0)
+        return summed.sum() / tokens
     if norm == "sequence":
-        return (summed / mask.sum(dim=1).clamp(min=1.0)).mean()
+        return (summed / mask.sum(dim=1).clamp(min=1.0)).sum() / sequences
     if norm == "dr_grpo":
-        return summed.sum() / (per_token.shape[0] * (max_tokens or per_token.shape[1]))
+        return summed.sum() / (sequences * (max_tokens or per_token.shape[1]))
     raise ValueError(f"unknown norm {norm!r}")
 
 
@@ -126,7 +145,7 @@ def sequence_logprobs(
     values as unpadded ones. `temperature` must match the sampler's, or the ratio against
     the engine's logprobs is off from the first step.
     """
-    return sequence_logprobs_and_entropy(model, input_ids, attention_mask, temperature)[0]
+    return score_tokens(model, input_ids, attention_mask, temperature)[0]
 
 
 def sequence_logprobs_and_entropy(
@@ -137,15 +156,99 @@ def sequence_logprobs_and_entropy(
     Entropy is the early warning of collapse: once the policy is deterministic in a state,
     every member of a group acts alike there, advantages are 0 and learning stops.
     """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-    logits: Tensor = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).logits  # (B, T, V)
-    logp_all = (logits[:, :-1].float() / temperature).log_softmax(dim=-1)  # (B, T-1, V)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
-    logprobs = logp_all.gather(-1, targets).squeeze(-1)  # (B, T-1)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (B, T-1)
+    logprobs, entropy = score_tokens(model, input_ids, attention_mask, temperature, entropy=True)
+    assert entropy is not None
     return logprobs, entropy
+
+
+def score_tokens(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    where: Tensor | None = None,
+    chunk_tokens: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs (B, T-1) of the next tokens, and their entropy if asked, at temperature T.
+
+    Never holds the logits of the whole batch in fp32: for a Hugging Face causal LM the
+    decoder's hidden states go through the output head ``chunk_tokens`` positions at a time,
+    each chunk's logits cast to fp32 for the log-softmax and, when gradients are on,
+    recomputed in the backward pass instead of kept (activation checkpointing of the head),
+    so the peak is one chunk's (chunk_tokens, V) however long the batch. ``where`` (B, T-1)
+    restricts the work to the positions that carry loss (0 elsewhere in the results): the
+    prompt's and the observations' positions never go through the head at all. Entropy
+    costs one more pass over the vocabulary and is only computed when asked.
+
+    A model without a separate output head (anything with just ``forward(...).logits``) is
+    scored from its logits, chunk by chunk in the same way.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+    targets = input_ids[:, 1:]  # (B, T-1)
+    keep = torch.ones_like(targets, dtype=torch.bool) if where is None else where.bool()
+    head = _output_head(model)
+    if head is None:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).logits  # (B, T, V) in the model's dtype
+        rows, project = logits[:, :-1][keep], None  # (N, V)
+    else:
+        base = getattr(model, model.base_model_prefix)
+        hidden = base(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state  # (B, T, H)
+        rows, project = hidden[:, :-1][keep], head  # (N, H)
+    picked = targets[keep]  # (N,)
+    lp_parts: list[Tensor] = []
+    ent_parts: list[Tensor] = []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        part = (rows[start : start + chunk_tokens], picked[start : start + chunk_tokens])
+        if torch.is_grad_enabled() and rows.requires_grad:
+            out = checkpoint(_score_chunk, *part, project, temperature, entropy,
+                             use_reentrant=False)
+        else:
+            out = _score_chunk(*part, project, temperature, entropy)
+        lp_parts.append(out[0])
+        ent_parts.append(out[1])
+    logprobs = torch.zeros(targets.shape, dtype=torch.float32, device=input_ids.device)
+    logprobs = logprobs.masked_scatter(keep, _cat(lp_parts, rows))
+    if not entropy:
+        return logprobs, None
+    ent = torch.zeros(targets.shape, dtype=torch.float32, device=input_ids.device)
+    return logprobs, ent.masked_scatter(keep, _cat(ent_parts, rows))
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The output projection of a Hugging Face causal LM whose logits are exactly
+    ``head(last_hidden_state)``; None for anything else (scored from its logits)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    config = getattr(model, "config", None)
+    transformed = any(  # logits post-processed after the head: use the model's own forward
+        getattr(config, key, None) not in (None, 1.0, 0.0)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    )
+    if head is None or transformed or not hasattr(model, getattr(model, "base_model_prefix", "")):
+        return None
+    return head  # type: ignore[no-any-return]
+
+
+def _score_chunk(
+    rows: Tensor, picked: Tensor, project: nn.Module | None, temperature: float, entropy: bool
+) -> tuple[Tensor, Tensor]:
+    logits = (rows if project is None else project(rows)).float() / temperature  # (n, V)
+    norm = logits.logsumexp(dim=-1)  # (n,)
+    logprobs = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - norm  # (n,)
+    if not entropy:
+        return logprobs, logprobs.new_zeros(())
+    probs = (logits - norm.unsqueeze(-1)).exp()  # (n, V)
+    return logprobs, norm - (probs * logits).sum(dim=-1)  # H = logZ - E_p[logit]
+
+
+def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else like.new_zeros((0,), dtype=torch.float32)
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
