@@ -1,8 +1,10 @@
 """Inference engines: token ids in, token ids and per-token logprobs out.
 
-Every engine reports logprobs of the sampled tokens under the *unmodified* policy
-(temperature 1, no top-p), which is what the learner recomputes; the importance ratio is
-then exactly 1 for an on-policy sample at temperature 1, and measures staleness otherwise.
+Every engine reports logprobs of the sampled tokens under the distribution they were
+sampled from, the policy at the request's temperature (before top-p; temperature 0, greedy,
+reports the unmodified policy's): logits / T, log-softmax. That is what the learner
+recomputes at the same temperature (``RLBUS_TEMPERATURE``), so the importance ratio is
+exactly 1 for an on-policy sample and measures staleness otherwise.
 Weights are swapped only between batches (``load``), never inside a generation.
 """
 
@@ -102,8 +104,12 @@ class HFEngine(Engine):
                 output_logits=True,
             )
         new = out.sequences[:, input_ids.shape[1] :]  # (B, N)
-        logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw, before sampling
-        logp = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        scale = 1.0 if greedy else sampling.temperature
+        # One step's (B, V) logits at a time, never a stacked (B, N, V) tensor.
+        logp = torch.stack([  # (B, N)
+            (step.float() / scale).log_softmax(-1).gather(-1, new[:, i : i + 1]).squeeze(-1)
+            for i, step in enumerate(out.logits)  # raw logits (B, V), before sampling
+        ], dim=1)
         return [self._trim(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[Any, Any]:
