@@ -9,6 +9,9 @@ learner loads it, seeks its partitions to those offsets and rewinds the model wi
 nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
 committed offsets follow the checkpoint (for lag monitoring), never lead it.
 
+Under ``torchrun`` this service is rank 0 and the only one that reads Kafka, checkpoints and
+publishes; the other ranks train their share of each step (:mod:`.distributed`).
+
 Staleness is bounded by the feeder's credit window (:mod:`.feeder`); samples older than
 ``max_staleness`` versions that still reach the learner are masked and counted.
 """
@@ -267,6 +270,11 @@ class Learner(Service[LearnerSettings]):
         """Checkpoint what was trained since the last checkpoint; untrained work stays."""
         if hasattr(self, "scored") and self.step and self.step % self.settings.checkpoint_every:
             await self._checkpoint()
+
+    async def close(self) -> None:
+        """Under torchrun: release the follower ranks (they exit) and leave the group."""
+        if isinstance(getattr(self, "trainer", None), Trainer):
+            await asyncio.to_thread(self.trainer.close)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "step": self.step, "version": self.version}

@@ -57,6 +57,27 @@ class LearnerSettings(ServiceSettings):
     """Upper clip: 1 + clip_high (clip-higher when above clip_low, DAPO)."""
     loss_norm: Literal["token", "sequence", "dr_grpo"] = "token"
     """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant)."""
+    dr_grpo_max_tokens: int = Field(default=1024, ge=1)
+    """loss_norm=dr_grpo: the constant every sequence's token-loss sum is divided by (with
+    the number of sequences), the same for every batch whatever its padded width; set it to
+    the completion-token budget of an episode (Dr. GRPO's generation budget)."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss minus this times the token-mean policy entropy on completion
+    tokens (0: off, and the entropy over the vocabulary is not computed at all)."""
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+    """Gradient accumulation: the step's sequences go through the model in micro-batches of
+    at most this many (padded) tokens each, sorted by length; the update equals the
+    one-batch update. None: the whole batch at once. A sequence longer than this is a
+    micro-batch of its own."""
+    logits_chunk_tokens: int = Field(default=1024, ge=1)
+    """Positions whose logits are materialised at once when scoring tokens (see
+    ``grpo.score_tokens``): the fp32 logits peak is this times the vocabulary size."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the forward and backward pass: bfloat16 autocast (on a device that
+    supports it; weights, gradients and optimizer state stay fp32) or plain fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute the decoder layers' activations in the backward pass instead of keeping
+    them: less memory, about a third more compute."""
     scale_by_std: bool = True
     """Divide advantages by the group std (False: Dr. GRPO's no-std)."""
     feed: bool = True
@@ -73,8 +94,11 @@ class LearnerSettings(ServiceSettings):
     """Size of the evaluation set (the same task specs every time)."""
     run_name: str = "run"
     """Prefix of group ids; deterministic ids make re-sent prompts recognisable."""
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature sent with each prompt."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature sent with each training prompt, and the temperature the trainer
+    scores tokens at (logits / T), as the engines report their logprobs; prompts published
+    by ``rlbus feed`` must use the same one. Not 0: the members of a greedy group would act
+    alike and give no signal (evaluation rounds are greedy regardless)."""
     max_new_tokens: int = Field(default=4, ge=1)
     """Most tokens per completion (per turn)."""
     trainer: Literal["grpo", "synthetic"] = "grpo"

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
 from rlbus.messages import ScoredTrajectory, Trajectory
+from rlbus.services.learner.distributed import World, shard
 from rlbus.services.learner.groups import Group
-from rlbus.services.learner.grpo import collate, group_advantages, policy_loss, sequence_logprobs
+from rlbus.services.learner.grpo import (
+    Whole,
+    collate,
+    group_advantages,
+    policy_loss,
+    score_tokens,
+)
 from rlbus.services.learner.settings import LearnerSettings
 
 
@@ -37,9 +47,10 @@ class Sample:
 
 
 class Trainer:
-    """Holds the policy and its optimizer."""
+    """Holds the policy and its optimizer; one instance per torchrun rank (see
+    :mod:`.distributed`: rank 0 calls ``step``, the others ``follow``)."""
 
-    def __init__(self, cfg: LearnerSettings) -> None:
+    def __init__(self, cfg: LearnerSettings, world: World | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         if cfg.model_path is None:
@@ -48,14 +59,28 @@ class Trainer:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path)
+        self.world = world if world is not None else World.from_env(cfg.device)
+        self.device = self.world.device(cfg.device)
+        self.autocast = _autocast_dtype(cfg.dtype, self.device)
+        # fp32 master weights whatever the compute dtype (autocast casts per operation)
+        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
         self.model = model.to(self.device)
+        if cfg.gradient_checkpointing:
+            self.model.config.use_cache = False
+            # transformers 5 renamed gradient_ to activation_checkpointing_enable
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
+        self.scorer: nn.Module = _Scorer(self.model, cfg)
+        self._replicated = self.world.size == 1
 
     def samples(self, groups: list[Group], version: int) -> list[Sample]:
         """Advantages per group; stale or invalid episodes are masked (advantage 0)."""
@@ -83,30 +108,106 @@ class Trainer:
         used = [s for s in samples if s.used and s.advantage != 0.0]
         stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
         if used:
-            stats = self._optimize(used)
+            work = [(*packed(s.scored.trajectory), s.advantage) for s in used]
+            stats = self.optimize(self.world.broadcast(("step", work))[1])
         return {**stats, **self._describe(samples)}
 
-    def _optimize(self, used: list[Sample]) -> dict[str, float]:
-        seqs = [packed(s.scored.trajectory) for s in used]
-        batch = collate(
-            [s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs], self.pad_id
-        )
-        ids = batch.input_ids.to(self.device)  # (B, T)
-        logprobs = sequence_logprobs(self.model, ids, batch.attention_mask.to(self.device))
+    def follow(self) -> int:
+        """A follower rank's loop: train on rank 0's broadcast steps until it says stop;
+        returns the number of steps taken."""
+        steps = 0
+        while True:
+            message = self.world.broadcast()
+            if message[0] == "stop":
+                return steps
+            self.optimize(message[1])
+            steps += 1
+
+    def close(self) -> None:
+        """Rank 0: release the followers; then leave the process group."""
+        if self.world.main and self.world.size > 1:
+            self.world.broadcast(("stop",))
+        self.world.close()
+
+    def optimize(self, work: list[Work]) -> dict[str, float]:
+        """One optimizer step on the whole batch `work` (every rank passes the same one and
+        trains its share), by micro-batches with gradient accumulation."""
+        self._replicate()
+        lengths = [len(w[0]) for w in work]
+        order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad
+        whole = Whole(tokens=float(sum(sum(w[1][1:]) for w in work)), sequences=len(work))
+        mine = shard(order, self.world)
+        weight = 1.0
+        if not mine:  # more ranks than sequences: join the all-reduce with a zero gradient
+            mine, weight = order[:1], 0.0
+        micro = micro_batches([lengths[i] for i in mine], self.cfg.micro_batch_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, kl, entropy sums
+        for k, part in enumerate(micro):
+            items = [work[mine[i]] for i in part]
+            last = k == len(micro) - 1
+            sync = contextlib.nullcontext() if last or self._plain else self.scorer.no_sync()
+            with sync:
+                loss, figures = self._micro_step(items, whole)
+                # DDP averages gradients over ranks; each rank's share is of the whole batch
+                (loss * weight * self.world.size).backward()  # type: ignore[no-untyped-call]
+            totals += weight * figures
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        loss_sum, clip, ratio, kl, entropy = self.world.all_sum(totals).tolist()
+        tokens = max(whole.tokens, 1.0)
+        stats = {"loss": loss_sum, "grad_norm": grad_norm.item(), "clip_frac": clip / tokens,
+                 "mean_ratio": ratio / tokens, "approx_kl": kl / tokens,
+                 "micro_batches": float(len(micro))}
+        if self.cfg.entropy_coef:
+            stats["entropy"] = entropy / tokens
+        return stats
+
+    def _micro_step(self, items: list[Work], whole: Whole) -> tuple[Tensor, Tensor]:
+        batch = collate([w[0] for w in items], [w[1] for w in items], [w[2] for w in items],
+                        self.pad_id)
+        mask = batch.loss_mask.to(self.device)  # (b, t-1)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            logprobs, entropy = self.scorer(
+                batch.input_ids.to(self.device), batch.attention_mask.to(self.device), mask)
         loss, stats = policy_loss(
-            logprobs,  # (B, T-1)
+            logprobs,  # (b, t-1)
             batch.behaviour_logprobs.to(self.device),
-            torch.tensor([s.advantage for s in used], device=self.device),  # (B,)
-            batch.loss_mask.to(self.device),
+            torch.tensor([w[3] for w in items], device=self.device),  # (b,)
+            mask,
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
             norm=self.cfg.loss_norm,
+            max_tokens=self.cfg.dr_grpo_max_tokens,
+            whole=whole,
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats}
+        entropy_sum = 0.0
+        if entropy is not None:
+            bonus = (entropy * mask).sum()
+            loss = loss - self.cfg.entropy_coef * bonus / max(whole.tokens, 1.0)
+            entropy_sum = float(bonus.detach())
+        n = float(mask.sum())  # the stats are token means over this micro-batch
+        figures = torch.tensor([float(loss.detach()), stats["clip_frac"] * n,
+                                stats["mean_ratio"] * n, stats["approx_kl"] * n, entropy_sum],
+                               dtype=torch.float64)
+        return loss, figures
+
+    @property
+    def _plain(self) -> bool:
+        return not isinstance(self.scorer, DistributedDataParallel)
+
+    def _replicate(self) -> None:
+        """Before the first distributed step: rank 0's parameters (DDP's constructor
+        broadcasts them) and optimizer state (a restored checkpoint's) on every rank."""
+        if self._replicated:
+            return
+        state = self.world.broadcast(self.optimizer.state_dict() if self.world.main else None)
+        if not self.world.main:
+            self.optimizer.load_state_dict(state)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.scorer = DistributedDataParallel(self.scorer, device_ids=ids)
+        self._replicated = True
 
     def _describe(self, samples: list[Sample]) -> dict[str, float]:
         valid = [s for s in samples if s.used]
@@ -131,6 +232,52 @@ class Trainer:
     def restore(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+Work = tuple[list[int], list[bool], list[float], float]
+"""One sequence to train on: packed ids, sampled flags, behaviour logprobs, advantage."""
+
+
+class _Scorer(nn.Module):
+    """The policy's token logprobs (and entropy when the loss uses it) as one module, so
+    that DistributedDataParallel wraps the whole forward pass."""
+
+    def __init__(self, model: nn.Module, cfg: LearnerSettings) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = cfg.temperature
+        self.entropy = cfg.entropy_coef > 0
+        self.chunk = cfg.logits_chunk_tokens
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                where: Tensor) -> tuple[Tensor, Tensor | None]:
+        return score_tokens(self.model, input_ids, attention_mask, self.temperature,
+                            entropy=self.entropy, where=where, chunk_tokens=self.chunk)
+
+
+def micro_batches(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive runs of `lengths` (ascending) whose padded size (count times longest) stays
+    within `budget` tokens; a sequence longer than the budget is a run of its own."""
+    if budget is None:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(n, lengths[current[-1]]) > budget:
+            out.append(current)
+            current = []
+        current.append(i)
+    return [*out, current] if current else out
+
+
+def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `dtype` on `device` (None: plain fp32), or a clear error."""
+    if dtype == "float32":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"RLBUS_DTYPE=bfloat16: {torch.cuda.get_device_name(device)} has no "
+                         "bfloat16 support; use float32")
+    return torch.bfloat16
 
 
 def _mean(xs: list[float]) -> float:
