@@ -1,16 +1,19 @@
 """Inference engines: token ids in, token ids and per-token logprobs out.
 
 Every engine reports logprobs of the sampled tokens under the distribution they were
-sampled from, the policy at the request's temperature (before top-p; temperature 0, greedy,
-reports the unmodified policy's): logits / T, log-softmax. That is what the learner
-recomputes at the same temperature (``RLBUS_TEMPERATURE``), so the importance ratio is
-exactly 1 for an on-policy sample and measures staleness otherwise.
+sampled from: log-softmax of logits / T, renormalised over the top-p nucleus when
+top_p < 1 (temperature 0, greedy, reports the unmodified policy's). The learner's prompts
+ask for top_p 1 and recompute logits / T at the same temperature (``RLBUS_TEMPERATURE``),
+so the importance ratio is exactly 1 for an on-policy sample and measures staleness
+otherwise. The model folder's own sampling defaults (``generation_config.json``: top_k,
+repetition_penalty, ...) are ignored: a request samples exactly as its ``Sampling`` says.
 Weights are swapped only between batches (``load``), never inside a generation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import random
@@ -81,6 +84,14 @@ class HFEngine(Engine):
         self.pad_id = _first(gen.pad_token_id, self.model.config.pad_token_id, 0)
         eos = _first(gen.eos_token_id, self.model.config.eos_token_id)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # Only the request decides how to sample: generate() would otherwise merge in the
+        # folder's defaults (a Qwen's repetition_penalty, top_k) even over explicit kwargs.
+        from transformers import GenerationConfig
+
+        self._base = GenerationConfig(  # type: ignore[no-untyped-call]
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids) or None,
+            return_dict_in_generate=True, output_scores=True)
+        self.model.generation_config = self._base  # generate() merges in its unset fields
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         return await asyncio.to_thread(self._generate, prompts, sampling)
@@ -88,29 +99,28 @@ class HFEngine(Engine):
     def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         torch = self.torch
         input_ids, attention = self._left_pad(prompts)
-        greedy = sampling.temperature == 0.0
         with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p,
-                top_k=None,
-                max_new_tokens=sampling.max_new_tokens,
-                pad_token_id=self.pad_id,
-                eos_token_id=sorted(self.eos_ids) or None,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention,
+                                      generation_config=self._config(sampling))
         new = out.sequences[:, input_ids.shape[1] :]  # (B, N)
-        scale = 1.0 if greedy else sampling.temperature
-        # One step's (B, V) logits at a time, never a stacked (B, N, V) tensor.
+        # The scores are the logits as sampled: / T, -inf outside the top-p nucleus (raw
+        # when greedy). One step's (B, V) at a time, never a stacked (B, N, V) tensor.
         logp = torch.stack([  # (B, N)
-            (step.float() / scale).log_softmax(-1).gather(-1, new[:, i : i + 1]).squeeze(-1)
-            for i, step in enumerate(out.logits)  # raw logits (B, V), before sampling
+            step.float().log_softmax(-1).gather(-1, new[:, i : i + 1]).squeeze(-1)
+            for i, step in enumerate(out.scores)
         ], dim=1)
         return [self._trim(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+
+    def _config(self, sampling: Sampling) -> Any:
+        """The whole generation config of one request. Fields are set after construction:
+        the constructor warns about top_k 0 (off; unset would mean 50) and generate()
+        about configs mixed with keyword arguments."""
+        config = copy.deepcopy(self._base)
+        config.max_new_tokens = sampling.max_new_tokens
+        if sampling.temperature > 0.0:
+            config.do_sample = True
+            config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, 0
+        return config
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[Any, Any]:
         torch = self.torch

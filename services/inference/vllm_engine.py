@@ -1,8 +1,9 @@
 """The ``vllm`` engine: vLLM's async engine (AsyncLLM), token ids in, ids and logprobs out.
 
 Each prompt is one vLLM request, so a batch joins vLLM's continuous batch and finishes
-request by request. Logprobs are vLLM's ``raw_logprobs``: of the sampled token under the
-unmodified policy (before temperature and top-p), as the other engines report them.
+request by request. Logprobs are vLLM's ``processed_logprobs``: of the sampled token under
+the distribution it was sampled from (logits / T, renormalised over the top-p nucleus;
+greedy: unmodified), as the other engines report them (see :mod:`.engines`).
 
 Weights are reloaded in place, never by restarting the engine: the front end verifies the
 sha256, then every worker reads the safetensors file and loads it through the model's own
@@ -106,7 +107,7 @@ def _engine_args(cls: Any, settings: InferenceSettings) -> Any:
         kv_cache_memory_bytes=kv_bytes,
         enforce_eager=settings.vllm_enforce_eager,
         enable_prefix_caching=settings.vllm_enable_prefix_caching,
-        logprobs_mode="raw_logprobs",
+        logprobs_mode="processed_logprobs",
         worker_extension_cls=f"{__name__}.WeightLoader",
         disable_log_stats=True,
     )

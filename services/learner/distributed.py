@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+IDLE_LIMIT = timedelta(days=7)
 
 
 def rank_from_env() -> int:
@@ -53,7 +56,10 @@ class World:
         if cuda:
             torch.cuda.set_device(world.local_rank)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if cuda else "gloo")
+            # Followers wait in a broadcast for as long as rank 0 waits for data (broker
+            # or rollouts down): the default 30 min would kill them. A dead rank still ends
+            # the job at once (torchrun stops the others).
+            dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=IDLE_LIMIT)
         log.info("learner rank %d of %d (%s)", world.rank, size, dist.get_backend())
         return world
 

@@ -195,7 +195,7 @@ def score_tokens(
         ).logits  # (B, T, V) in the model's dtype
         rows, project = logits[:, :-1][keep], None  # (N, V)
     else:
-        base = getattr(model, model.base_model_prefix)
+        base = getattr(model, str(model.base_model_prefix))
         hidden = base(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state  # (B, T, H)

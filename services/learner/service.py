@@ -273,8 +273,9 @@ class Learner(Service[LearnerSettings]):
 
     async def close(self) -> None:
         """Under torchrun: release the follower ranks (they exit) and leave the group."""
-        if isinstance(getattr(self, "trainer", None), Trainer):
-            await asyncio.to_thread(self.trainer.close)
+        trainer = getattr(self, "trainer", None)
+        if isinstance(trainer, Trainer):
+            await asyncio.to_thread(trainer.close)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "step": self.step, "version": self.version}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -146,7 +146,9 @@ class Trainer:
         for k, part in enumerate(micro):
             items = [work[mine[i]] for i in part]
             last = k == len(micro) - 1
-            sync = contextlib.nullcontext() if last or self._plain else self.scorer.no_sync()
+            sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if not (last or self._plain):  # accumulate locally, all-reduce on the last
+                sync = cast(DistributedDataParallel, self.scorer).no_sync()
             with sync:
                 loss, figures = self._micro_step(items, whole)
                 # DDP averages gradients over ranks; each rank's share is of the whole batch

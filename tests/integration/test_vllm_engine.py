@@ -142,21 +142,28 @@ def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
     return ids
 
 
-def _hf_logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
-    """Teacher-forced log p(completion token | prefix) under the unmodified policy."""
+def _hf_logprobs(model: Any, prompt: list[int], completion: list[int], temperature: float,
+                 top_p: float) -> list[float]:
+    """Teacher-forced log p(completion token | prefix) under the distribution sampled from:
+    logits / T, renormalised over the top-p nucleus (the smallest set of most likely tokens
+    holding at least top_p of the mass)."""
     import torch
 
     ids = torch.tensor([prompt + completion])  # (1, T)
     with torch.inference_mode():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (N, V)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # (N, V)
+    probs, order = logits.softmax(-1).sort(-1, descending=True)  # (N, V)
+    outside = probs.cumsum(-1) - probs >= top_p  # mass before it already reaches top_p
+    logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(outside, -1e30))
     lp = logits.log_softmax(-1).gather(-1, torch.tensor(completion).unsqueeze(-1))  # (N, 1)
     return lp.squeeze(-1).tolist()  # type: ignore[no-any-return]
 
 
-def _deltas(model: Any, prompts: list[list[int]], gens: list[dict[str, Any]]) -> list[float]:
+def _deltas(model: Any, prompts: list[list[int]], gens: list[dict[str, Any]],
+            temperature: float, top_p: float) -> list[float]:
     out = []
     for prompt, gen in zip(prompts, gens, strict=True):
-        ref = _hf_logprobs(model, prompt, gen["ids"])
+        ref = _hf_logprobs(model, prompt, gen["ids"], temperature, top_p)
         out += [abs(a - b) for a, b in zip(gen["logprobs"], ref, strict=True)]
     return out
 
@@ -192,15 +199,16 @@ def test_generates_from_token_ids(engine_run: dict[str, Any], models: dict[str, 
 def test_logprobs_match_the_hf_engine(engine_run: dict[str, Any], models: dict[str, Any],
                                       hf: dict[int, Any]) -> None:
     """Greedy: the hf engine's own tokens and logprobs, on v1 and after loading v2 from the
-    store; sampled at temperature 0.7, top-p 0.9: hf's teacher-forced logprobs of vLLM's
-    tokens, which must still be the unmodified policy's."""
+    store; sampled at temperature 0.7, top-p 0.9 and at 1.3: the teacher-forced logprobs of
+    vLLM's tokens under the distribution sampled from (what the hf engine reports too)."""
     hf_v1, hf_v2 = asyncio.run(_hf_engine_greedy(models))
     deltas = []
     for ref, got in ((hf_v1, engine_run["fresh_v1"]), (hf_v2, engine_run["reloaded_v2"])):
         for r, g in zip(ref, got, strict=True):
             assert (g["ids"], g["finish"]) == (r.completion_ids, r.finish_reason)
             deltas += [abs(a - b) for a, b in zip(g["logprobs"], r.logprobs, strict=True)]
-    deltas += _deltas(hf[1], models["prompts"], engine_run["sampled_v1"])
+    deltas += _deltas(hf[1], models["prompts"], engine_run["sampled_v1"], 0.7, 0.9)
+    deltas += _deltas(hf[1], models["prompts"], engine_run["sampled_hot"], 1.3, 1.0)
     print(f"\n|Δ logprob| vllm vs hf over {len(deltas)} tokens: max {max(deltas):.2e}, "
           f"mean {sum(deltas) / len(deltas):.2e}")
     assert max(deltas) < 1e-3
@@ -350,7 +358,9 @@ async def drive_engine(spec: dict[str, Any]) -> dict[str, Any]:
     out["fresh_v1"] = await timed("first_batch_s", greedy)
     out["sampled_v1"] = await timed("second_batch_s", Sampling(temperature=0.7, top_p=0.9,
                                                                max_new_tokens=MAX_NEW))
-    out["versions"].pop()
+    out["sampled_hot"] = await timed("hot_batch_s", Sampling(temperature=1.3,
+                                                             max_new_tokens=MAX_NEW))
+    del out["versions"][-2:]
     out["abort"] = await _abort(engine, prompts)
     t = time.perf_counter()
     await engine.load(store["2"]["uri"], store["2"]["checksum"], 2)

@@ -138,12 +138,15 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_close_gradients(folder: Pat
     batch = work(seed=4)
     a, b = fp32.optimize(batch), bf16.optimize(batch)
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
-    assert all(s["dtype"] == torch.float32 for s in bf16.optimizer.state.values() if "dtype" in s)
+    moments = [t for state in bf16.optimizer.state.values() for t in state.values()
+               if t.dim() > 0]  # exp_avg and exp_avg_sq of every parameter
+    assert len(moments) == 2 * len(list(bf16.model.parameters()))
+    assert all(t.dtype == torch.float32 for t in moments)
     assert b["loss"] == pytest.approx(a["loss"], abs=0.05)
     ga, gb = grads(fp32), grads(bf16)
     cos = torch.nn.functional.cosine_similarity(
-        torch.cat([g.flatten() for g in ga.values()]), torch.cat([g.flatten() for g in gb.values()]),
-        dim=0)
+        torch.cat([g.flatten() for g in ga.values()]),
+        torch.cat([g.flatten() for g in gb.values()]), dim=0)
     assert cos > 0.99  # bf16 keeps 8 bits of mantissa: the same direction, not the same bits
 
 
@@ -168,3 +171,27 @@ def test_learner_scores_the_engines_samples_as_the_engine_did(folder: Path,
 def test_temperature_zero_is_refused_for_training(folder: Path) -> None:
     with pytest.raises(ValueError, match="temperature"):
         LearnerSettings(model_path=folder, temperature=0.0)
+
+
+def test_hf_engine_reports_the_nucleus_it_sampled_from(tmp_path: Path) -> None:
+    """top_p < 1: each logprob is under the renormalised nucleus (so at least the untruncated
+    one at T, and equal to it when the nucleus is the whole vocabulary); the model folder's
+    own sampling defaults, such as a repetition penalty, never change what is sampled."""
+    folder = build_tiny_model(tmp_path / "m", size="tiny", seed=1)
+    config = folder / "generation_config.json"
+    config.write_text('{"repetition_penalty": 3.0, "top_k": 2, "temperature": 0.1}')
+    engine = HFEngine(InferenceSettings(engine="hf", model_path=folder, torch_threads=None))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompt = [3, 8, 9]
+    for top_p, strict in ((1.0, False), (0.5, True)):
+        c = asyncio.run(engine.generate([prompt], Sampling(temperature=0.8, top_p=top_p,
+                                                           max_new_tokens=6)))[0]
+        ids = torch.tensor([prompt + c.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1] / 0.8
+        plain = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        got = torch.tensor(c.logprobs)
+        if strict:  # the nucleus of a near-uniform random model is a strict subset
+            assert bool((got > plain + 1e-4).all())
+        else:
+            torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
