@@ -61,6 +61,10 @@ class LearnerSettings(ServiceSettings):
     """loss_norm=dr_grpo: the constant every sequence's token-loss sum is divided by (with
     the number of sequences), the same for every batch whatever its padded width; set it to
     the completion-token budget of an episode (Dr. GRPO's generation budget)."""
+    updates_per_step: int = Field(default=1, ge=1)
+    """Optimizer steps on each batch (GRPO's mu, TRL's num_iterations, verl's ppo_epochs):
+    later passes reuse the same samples with the importance ratio against the behaviour
+    logprobs, clipped as usual. More learning per episode for more learner compute."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss minus this times the token-mean policy entropy on completion
     tokens (0: off, and the entropy over the vocabulary is not computed at all)."""

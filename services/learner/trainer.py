@@ -130,8 +130,17 @@ class Trainer:
         self.world.close()
 
     def optimize(self, work: list[Work]) -> dict[str, float]:
-        """One optimizer step on the whole batch `work` (every rank passes the same one and
-        trains its share), by micro-batches with gradient accumulation."""
+        """``updates_per_step`` optimizer steps on the batch `work` (every rank passes the
+        same one and trains its share); the figures are the first update's, whose ratios
+        compare the policy that sampled with the one that trains."""
+        stats = self.update(work)
+        for _ in range(self.cfg.updates_per_step - 1):
+            self.update(work)
+        return stats
+
+    def update(self, work: list[Work]) -> dict[str, float]:
+        """One optimizer step on the whole batch `work`, by micro-batches with gradient
+        accumulation."""
         self._replicate()
         lengths = [len(w[0]) for w in work]
         order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad

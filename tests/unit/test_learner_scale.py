@@ -195,3 +195,27 @@ def test_hf_engine_reports_the_nucleus_it_sampled_from(tmp_path: Path) -> None:
             assert bool((got > plain + 1e-4).all())
         else:
             torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_updates_per_step_reuses_the_batch_and_reports_the_first_pass(folder: Path) -> None:
+    """updates_per_step=3 is three optimizer steps on one batch; its figures are the first
+    pass's (on-policy data: ratio 1), while a later pass sees the ratio moved and clipped."""
+    batch = work(seed=5)
+    on_policy = [(ids, s, [0.0] * len(ids), adv) for ids, s, _, adv in batch]
+    plain = trainer(folder)
+    with torch.no_grad():  # the behaviour logprobs: the initial policy's own
+        for k, (ids, s, _, adv) in enumerate(on_policy):
+            t = torch.tensor([ids])
+            lp, _ = plain.scorer(t, torch.ones_like(t), torch.ones(1, len(ids) - 1))
+            on_policy[k] = (ids, s, [0.0] + [float(x) if f else 0.0 for x, f in
+                                             zip(lp[0].tolist(), s[1:], strict=True)], adv)
+    many = trainer(folder, updates_per_step=3, lr=1e-2)
+    once = trainer(folder, lr=1e-2)
+    first = many.optimize(on_policy)
+    passes = [once.optimize(on_policy) for _ in range(3)]
+    assert first == pytest.approx(passes[0], rel=1e-6)
+    assert first["mean_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert first["clip_frac"] == 0.0 and passes[2]["clip_frac"] > 0.0
+    for (name, pa), pb in zip(many.model.named_parameters(), once.model.parameters(),
+                              strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)
