@@ -248,6 +248,12 @@ def report(demo: Demo, reason: str) -> int:
             f"greedy success on the fixed eval set: {evals[first]:.3f} at step {first} -> "
             f"{evals[last]:.3f} at step {last}"
         )
+    hit = summary["greedy_target"]
+    if hit:
+        say(f"greedy success reached {hit['success']:.3f} at step {hit['step']}, after "
+            f"{hit['training_seconds']:.0f} s of training ({hit['episodes_trained']:,} episodes)")
+    elif evals:
+        say("greedy success never reached 0.8 on the fixed eval set")
     say(f"wrote {demo.run_dir / 'summary.json'} and reward_curve.png")
     if reason != "finished":
         for p in demo.procs.procs:

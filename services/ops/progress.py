@@ -9,6 +9,8 @@ from typing import Any
 
 WINDOW_EPISODES = 512
 """Start and end figures average this many episodes: one step's batch is too noisy."""
+TARGET = 0.8
+"""The greedy success the demo is measured against (the dotted line of its plot)."""
 
 
 def _window(rows: list[dict[str, Any]], key: str, last: bool = True) -> float | None:
@@ -117,6 +119,7 @@ def summarize(
         "reward_end": _window(rows, "reward_mean"),
         "staleness_max": max((int(r.get("staleness_max") or 0) for r in rows), default=0),
         "eval_success": evaluations(rows),
+        "greedy_target": first_at_target(rows),
         "masked_total": sum(int(r.get("masked") or 0) for r in rows),
         "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
         "recipe": recipe,
@@ -126,6 +129,18 @@ def summarize(
 def evaluations(rows: list[dict[str, Any]]) -> dict[int, float]:
     """Greedy success on the fixed evaluation set, by the step it was taken at."""
     return {int(r["eval_at_step"]): r["eval_success"] for r in rows if "eval_at_step" in r}
+
+
+def first_at_target(rows: list[dict[str, Any]], target: float = TARGET) -> dict[str, Any] | None:
+    """The first evaluation at or above `target`: its step, and the learner's seconds and
+    episodes trained when that step's weights were taken (None: not reached)."""
+    trained = {r["step"]: r for r in rows if "eval_at_step" not in r}
+    for step, success in sorted(evaluations(rows).items()):
+        if success >= target:
+            at = trained.get(step, {})
+            return {"step": step, "success": success, "training_seconds": at.get("time"),
+                    "episodes_trained": at.get("episodes_trained")}
+    return None
 
 
 def smoothed(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -172,7 +187,7 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
             markersize=4,
             label="greedy, fixed eval set",
         )
-    ax1.axhline(0.8, color="grey", linestyle=":", label="target 0.8")
+    ax1.axhline(TARGET, color="grey", linestyle=":", label=f"target {TARGET:g}")
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("success rate")
     ax1.set_ylim(-0.02, 1.02)
