@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| variant | step time (s) | peak RSS (GiB) | vs naive: time | vs naive: memory |")
     print("|---|---|---|---|---|")
     for r in rows:
-        rel = (f"{r['step_s'] / base['step_s']:.2f}x | {r['peak_rss_gib'] / base['peak_rss_gib']:.2f}x"
-               if base else "- | -")
+        rel = "- | -"
+        if base:
+            rel = (f"{r['step_s'] / base['step_s']:.2f}x | "
+                   f"{r['peak_rss_gib'] / base['peak_rss_gib']:.2f}x")
         print(f"| {r['variant']} | {r['step_s']:.1f} | {r['peak_rss_gib']:.2f} | {rel} |")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
