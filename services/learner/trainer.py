@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
-from rlbus.messages import ScoredTrajectory, Trajectory
+from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
 from rlbus.services.learner.distributed import World, shard
 from rlbus.services.learner.groups import Group
 from rlbus.services.learner.grpo import (
@@ -38,12 +38,35 @@ def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
     return ids, sampled, logprobs
 
 
+def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
+    """The reason `scored` is masked (one of :data:`MASK_CAUSES`), or None if it trains."""
+    if scored.trajectory.status == "failed":
+        return "failed"
+    if not scored.valid or not scored.trajectory.turns:
+        return "invalid"
+    if staleness > max_staleness:
+        return "stale"
+    return None
+
+
+def masked_by_cause(causes: list[str | None]) -> dict[str, float]:
+    """``trained`` (samples that entered the loss) and ``masked`` with one
+    ``masked_<cause>`` count per cause, for a step's metrics row."""
+    out = {"trained": float(sum(c is None for c in causes)),
+           "masked": float(sum(c is not None for c in causes))}
+    return out | {f"masked_{c}": float(causes.count(c)) for c in MASK_CAUSES}
+
+
 @dataclass
 class Sample:
     scored: ScoredTrajectory
     advantage: float
     staleness: int
-    used: bool
+    cause: str | None  # why it is masked; None: it trains
+
+    @property
+    def used(self) -> bool:
+        return self.cause is None
 
 
 class Trainer:
@@ -88,24 +111,26 @@ class Trainer:
         for g in groups:
             members = g.ordered()
             stale = [version - m.trajectory.min_version for m in members]
-            usable = [
-                m.valid and bool(m.trajectory.turns) and s <= self.cfg.max_staleness
-                for m, s in zip(members, stale, strict=True)
-            ]
+            causes = [mask_cause(m, s, self.cfg.max_staleness)
+                      for m, s in zip(members, stale, strict=True)]
             adv = group_advantages(
                 torch.tensor([m.reward for m in members]),
-                torch.tensor(usable),
+                torch.tensor([c is None for c in causes]),
                 scale_by_std=self.cfg.scale_by_std,
             )
             out += [
-                Sample(m, float(a), s, u)
-                for m, a, s, u in zip(members, adv.tolist(), stale, usable, strict=True)
+                Sample(m, float(a), s, c)
+                for m, a, s, c in zip(members, adv.tolist(), stale, causes, strict=True)
             ]
         return out
 
     def step(self, groups: list[Group], version: int) -> dict[str, float]:
         samples = self.samples(groups, version)
-        used = [s for s in samples if s.used and s.advantage != 0.0]
+        # a zero advantage adds no policy gradient, so those episodes are left out, unless
+        # the entropy bonus is on: it is a term of every trained token, not only of the
+        # groups that disagreed, and what keeps a converged group exploring
+        keep_flat = self.cfg.entropy_coef > 0
+        used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
         stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
         if used:
             work = [(*packed(s.scored.trajectory), s.advantage) for s in used]
@@ -228,7 +253,9 @@ class Trainer:
         ]
         return {
             "episodes": len(samples),
-            "masked": len(samples) - len(valid),
+            **masked_by_cause([s.cause for s in samples]),
+            # trained, but with nothing to learn: every member of its group scored the same
+            "zero_advantage": float(sum(s.used and s.advantage == 0.0 for s in samples)),
             "reward_mean": _mean([s.scored.reward for s in valid]),
             "success_rate": _mean([float(x) for x in success]),
             "staleness_mean": _mean([float(s.staleness) for s in valid]),
@@ -307,13 +334,14 @@ class SyntheticTrainer:
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
         samples = [m for g in groups for m in g.ordered()]
         stale_by_id = {id(m): version - m.trajectory.min_version for m in samples}
-        # the same mask as the GRPO trainer: failed or too stale samples are not trained
-        valid = [m for m in samples if m.valid and stale_by_id[id(m)] <= self.cfg.max_staleness]
+        # the same mask as the GRPO trainer
+        causes = [mask_cause(m, stale_by_id[id(m)], self.cfg.max_staleness) for m in samples]
+        valid = [m for m, c in zip(samples, causes, strict=True) if c is None]
         stale = [float(stale_by_id[id(m)]) for m in valid]
         return {
             "loss": 0.0,
             "episodes": float(len(samples)),
-            "masked": float(len(samples) - len(valid)),
+            **masked_by_cause(causes),
             "reward_mean": _mean([m.reward for m in valid]),
             "success_rate": math.nan,
             "staleness_mean": _mean(stale),

@@ -21,19 +21,22 @@ from typing import Any
 
 from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
 
-# The demo's training recipe: small batches, many steps (searched in-process first, then
-# measured end to end with `make demo`: 4,800 steps in 5.6-6.5 minutes take greedy success
-# on the eval set from 0.00 to between 0.77 and 0.91, sampled success to about 0.9).
+# The demo's training recipe: small batches, many steps, one token per guess, two optimizer
+# passes per batch and an entropy bonus over every trained token (searched in-process, then
+# measured end to end with `make demo`; the figures and the runs that fell short are in the
+# README and in the note of issue 14: greedy success does not yet reach 0.8 in every run).
 RECIPE: dict[str, Any] = {
     "RLBUS_TASK": "guess_number",
     "RLBUS_GROUP_SIZE": "8",
     "RLBUS_GROUPS_PER_STEP": "2",
     "RLBUS_MAX_STALENESS": "2",
     "RLBUS_LR": "0.001",
-    "RLBUS_MAX_NEW_TOKENS": "2",
+    "RLBUS_MAX_NEW_TOKENS": "1",
+    "RLBUS_UPDATES_PER_STEP": "2",
+    "RLBUS_ENTROPY_COEF": "0.02",
     "RLBUS_TEMPERATURE": "1.0",
     "RLBUS_CHECKPOINT_EVERY": "200",
-    "RLBUS_EVAL_EVERY": "300",
+    "RLBUS_EVAL_EVERY": "150",
     "RLBUS_EVAL_EPISODES": "128",
 }
 DEFAULT_STEPS = 4800
