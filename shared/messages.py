@@ -242,6 +242,12 @@ class Trajectory(Message):
         return sum(len(t.input_ids) + len(t.completion_ids) for t in self.turns)
 
 
+MASK_CAUSES = ("stale", "failed", "invalid")
+"""Why a scored episode that reached the learner is not trained: weights older than its
+``max_staleness`` allows, a rollout that failed, or no usable reward (a verifier that raised
+or timed out, an episode with no turns). Metrics count each as ``masked_<cause>``."""
+
+
 class ScoredTrajectory(Message):
     """reward → learner. A trajectory with its verified reward.
 

@@ -190,7 +190,8 @@ class Learner(Service[LearnerSettings]):
             for d in g.deliveries:
                 self.scored.ack(d)
         await self._publish_weights()
-        self._episodes_trained += int(stats["episodes"])
+        # what entered the loss: masked episodes (stale, failed, invalid) are counted apart
+        self._episodes_trained += int(stats["trained"])
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
         self._record(stats, time.perf_counter() - t0)

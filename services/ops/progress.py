@@ -7,6 +7,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from rlbus.messages import MASK_CAUSES
+
 WINDOW_EPISODES = 512
 """Start and end figures average this many episodes: one step's batch is too noisy."""
 TARGET = 0.8
@@ -121,6 +123,8 @@ def summarize(
         "eval_success": evaluations(rows),
         "greedy_target": first_at_target(rows),
         "masked_total": sum(int(r.get("masked") or 0) for r in rows),
+        "masked_by_cause": {c: sum(int(r.get(f"masked_{c}") or 0) for r in rows)
+                            for c in MASK_CAUSES},
         "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
         "recipe": recipe,
     }
