@@ -333,11 +333,12 @@ class SyntheticTrainer:
 
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
         samples = [m for g in groups for m in g.ordered()]
-        stale_by_id = {id(m): version - m.trajectory.min_version for m in samples}
+        ages = [version - m.trajectory.min_version for m in samples]
         # the same mask as the GRPO trainer
-        causes = [mask_cause(m, stale_by_id[id(m)], self.cfg.max_staleness) for m in samples]
+        causes = [mask_cause(m, a, self.cfg.max_staleness)
+                  for m, a in zip(samples, ages, strict=True)]
         valid = [m for m, c in zip(samples, causes, strict=True) if c is None]
-        stale = [float(stale_by_id[id(m)]) for m in valid]
+        stale = [float(a) for a, c in zip(ages, causes, strict=True) if c is None]
         return {
             "loss": 0.0,
             "episodes": float(len(samples)),
