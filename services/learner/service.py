@@ -108,10 +108,10 @@ class Learner(Service[LearnerSettings]):
                 if d.message.model == self.settings.model_name]
         return max(mine, default=0)
 
-    async def _seek_to_checkpoint(self, assigned: list[TP]) -> None:
+    async def _seek_to_checkpoint(self, scored: Consumer[Any], assigned: list[TP]) -> None:
         for tp in assigned:
             if tp in self.offsets:
-                await self.scored.seek(tp, self.offsets[tp])
+                await scored.seek(tp, self.offsets[tp])
 
     # -- feeder
 

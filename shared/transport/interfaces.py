@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 Headers = dict[str, bytes]
-AssignCallback = Callable[[list[TP]], Awaitable[None]]
+AssignCallback = Callable[["Consumer[Any]", list[TP]], Awaitable[None]]
+"""Called with the consumer and its new partitions once a rebalance assigns them (before
+any record of theirs is fetched): the place to seek, e.g. to checkpointed offsets."""
 
 DEFAULT_MAX_MESSAGE_BYTES = TopicSettings().max_message_bytes
 

@@ -226,8 +226,9 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         self.consumer.tracker.forget((tp.topic, tp.partition) for tp in revoked)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        if self.on_assign is not None:
-            await self.on_assign(sorted((tp.topic, tp.partition) for tp in assigned))
+        if self.on_assign is not None and self.consumer is not None:
+            await self.on_assign(self.consumer, sorted((tp.topic, tp.partition)
+                                                       for tp in assigned))
 
 
 class KafkaBus(Bus):
@@ -279,21 +280,22 @@ class KafkaBus(Bus):
             max_partition_fetch_bytes=self.max_message_bytes + FRAMING_BYTES,
             fetch_max_bytes=max(_DEFAULT_FETCH_MAX_BYTES, self.max_message_bytes + FRAMING_BYTES),
         )
+        # made before the client starts: the group may assign partitions while it starts
+        consumer = KafkaConsumer(
+            c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
+        )
+        consumer.service, consumer.group = self.service, group_id
         listener = _Listener(on_assign)
+        listener.consumer = consumer
         if assign is not None:
             c.assign([TopicPartition(t, p) for t, p in assign])
         else:
             c.subscribe(topics, listener=listener)
         await start_client(c, self.kafka, "consumer connect")
-        consumer = KafkaConsumer(
-            c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
-        )
-        listener.consumer = consumer
-        consumer.service, consumer.group = self.service, group_id
         track(consumer)
         self._clients.append(consumer)
         if assign is not None and on_assign is not None:
-            await on_assign(sorted(assign))
+            await on_assign(consumer, sorted(assign))
         return consumer
 
     async def partitions(self, topic: str) -> list[int]:

@@ -176,7 +176,7 @@ class MemoryConsumer(Consumer[M]):
     async def _fetch(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         if self._announce and self.on_assign is not None:
             self._announce = False
-            await self.on_assign(list(self._assigned))
+            await self.on_assign(self, list(self._assigned))
         deadline = time.monotonic() + timeout_s
         async with self.broker.changed:
             while True:
