@@ -5,6 +5,11 @@ at-least-once: a restarted instance rolls a prompt out again under the same epis
 The first copy of each episode index wins; later copies, and any copy of a group already
 trained, are dropped and counted. Deliveries are acked only once their group is trained or
 they are dropped, so the consumer's committable offsets never pass an untrained episode.
+
+Complete groups are handed out oldest weights first (the version their first token was
+sampled with), and :meth:`GroupAssembler.due` names the groups whose last chance to train
+within the staleness bound is the next step: the learner waits for those rather than let
+them go stale (docs/performance.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ class Group:
     size: int
     members: dict[int, ScoredTrajectory] = field(default_factory=dict)
     deliveries: list[Delivery[Any]] = field(default_factory=list)
+    started: int = -1
+    """The oldest policy version of any member back so far (-1: none back yet). A group's
+    episodes start together, so the first member back tells the version of them all."""
 
     @property
     def complete(self) -> bool:
@@ -30,6 +38,14 @@ class Group:
 
     def ordered(self) -> list[ScoredTrajectory]:
         return [self.members[i] for i in sorted(self.members)]
+
+    def add(self, d: Delivery[ScoredTrajectory]) -> None:
+        t = d.message.trajectory
+        self.members[t.index] = d.message
+        self.deliveries.append(d)
+        if t.turns:  # a failed episode with no turns says nothing about the weights
+            self.started = t.min_version if self.started < 0 else min(self.started,
+                                                                      t.min_version)
 
 
 class GroupAssembler:
@@ -52,14 +68,17 @@ class GroupAssembler:
         if t.index in group.members or t.index >= group.size:
             self.duplicates += 1
             return [d]
-        group.members[t.index] = d.message
-        group.deliveries.append(d)
+        group.add(d)
         if group.complete:
             self.ready.append(self.open.pop(t.group_id))
         return []
 
     def take(self, n: int) -> list[Group]:
-        """The oldest ``n`` complete groups, marked trained."""
+        """The ``n`` complete groups sampled with the oldest weights (ties: the first
+        completed), marked trained: the oldest are the nearest to going stale. A step is
+        always ``n`` groups, so the feeder's ``max_steps * groups_per_step`` groups make
+        exactly ``max_steps`` steps, masked ones included."""
+        self.ready.sort(key=lambda g: g.started)  # stable: completion order within a version
         taken, self.ready = self.ready[:n], self.ready[n:]
         for g in taken:
             self.trained[g.group_id] = None
@@ -67,5 +86,16 @@ class GroupAssembler:
             self.trained.popitem(last=False)
         return taken
 
+    def due(self, version: int, max_staleness: int, n: int) -> list[str]:
+        """Incomplete groups that a step at ``version`` should wait for: sampled exactly
+        ``max_staleness`` versions ago, so this step is their last chance to train within
+        the bound. Only as many as the step has places left for after the complete groups
+        that are just as old."""
+        last_chance = version - max_staleness
+        waiting = [g.group_id for g in self.open.values() if g.started == last_chance]
+        claimed = sum(g.started <= last_chance for g in self.ready)  # taken first
+        return waiting[:max(0, n - claimed)]
+
     def trained_ids(self) -> list[str]:
         return list(self.trained)
+

@@ -58,6 +58,7 @@ class Learner(Service[LearnerSettings]):
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
         self._last_eval: dict[str, float] = {}
         self.feeder: Feeder | None = None
+        self._held_since: float | None = None  # when the pending step began to wait
 
     # -- setup and restore
 
@@ -172,12 +173,37 @@ class Learner(Service[LearnerSettings]):
                         for done in self.assembler.add(d):
                             self.scored.ack(done)
                 self.count_input()
-            while len(self.assembler.ready) >= self.settings.groups_per_step and not self.stopping:
+            while (len(self.assembler.ready) >= self.settings.groups_per_step
+                   and not self._waiting() and not self.stopping):
                 await self._train_step()
+
+    def _waiting(self) -> bool:
+        """Hold the step back while a straggling group's last chance to train within the
+        staleness bound is this step, up to ``straggler_wait_s``; past that, go on (the
+        group is masked as stale when it arrives)."""
+        s = self.settings
+        if s.straggler_wait_s <= 0:
+            return False
+        due = self.assembler.due(self.version, s.max_staleness, s.groups_per_step)
+        now = time.monotonic()
+        if not due:
+            return False
+        if self._held_since is None:
+            self._held_since = now
+            self.bump("straggler_waits")
+            log.debug("step %d waits for %s", self.step + 1, ", ".join(due))
+        if now - self._held_since < s.straggler_wait_s:
+            return True
+        log.warning("step %d waited %.0fs for %s; going on without them (they will be "
+                    "masked as stale)", self.step + 1, now - self._held_since, ", ".join(due))
+        self.bump("straggler_timeouts")
+        return False
 
     async def _train_step(self) -> None:
         groups = self.assembler.take(self.settings.groups_per_step)
+        held, self._held_since = self._held_since, None
         t0 = time.perf_counter()
+        waited = 0.0 if held is None else time.monotonic() - held
         episodes = [telemetry.sender_context(d.headers) for g in groups for d in g.deliveries]
         attrs = {"rlbus.step": self.step + 1}
         with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
@@ -194,7 +220,7 @@ class Learner(Service[LearnerSettings]):
         self._episodes_trained += int(stats["trained"])
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
-        self._record(stats, time.perf_counter() - t0)
+        self._record({**stats, "waited_s": round(waited, 3)}, time.perf_counter() - t0)
         if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
             await self._checkpoint()
         self._progress.set()

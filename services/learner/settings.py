@@ -43,8 +43,14 @@ class LearnerSettings(ServiceSettings):
     groups_per_step: int = Field(default=4, ge=1)
     """Complete groups per optimizer step."""
     max_staleness: int = Field(default=2, ge=0)
-    """Most versions a sample's oldest token may lag the learner; older samples are dropped.
-    The feeder's credit window keeps it from happening in the first place."""
+    """Most versions a sample's oldest token may lag the learner when it trains. The
+    feeder's credit window admits groups at most this far ahead, and the learner waits for
+    a straggling group whose last chance within the bound is its next step (up to
+    ``straggler_wait_s``); a sample older than this is masked, never trained."""
+    straggler_wait_s: float = Field(default=60.0, ge=0)
+    """Longest the learner holds a step back for a group that would otherwise go stale
+    (its other members are back, one is still running); past it the step goes on and the
+    group is masked as stale when it arrives. 0: never wait (mask)."""
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate."""
     weight_decay: float = 0.0

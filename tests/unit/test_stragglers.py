@@ -1,0 +1,110 @@
+"""A straggling group is waited for, not masked: the staleness bound holds and nothing is
+wasted (services/learner/groups.py, Learner._waiting).
+
+The learner runs on the in-memory bus with the synthetic trainer; the test plays the reward
+tier itself, publishing scored episodes with chosen policy versions at chosen moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from rlbus.messages import ScoredTrajectory
+from rlbus.services.learner.groups import GroupAssembler
+from rlbus.services.learner.service import Learner
+from rlbus.services.learner.settings import LearnerSettings
+from rlbus.settings import TopicSettings
+from rlbus.topics import Topics, memory_broker
+from rlbus.transport import Delivery, MemoryBus
+from tests.factories import trajectory
+
+TOPICS = TopicSettings(prefix="st", partitions=1, result_partitions=1)
+
+
+def _episode(group: str, index: int, version: int) -> ScoredTrajectory:
+    t = trajectory(group, index, version=version)
+    return ScoredTrajectory(trajectory=t, reward=float(index), verifier="x")
+
+
+def _delivery(group: str, index: int, version: int) -> Delivery[Any]:
+    return Delivery("t", 0, 0, None, _episode(group, index, version), [], 0)
+
+
+def _assembler(*episodes: tuple[str, int, int]) -> GroupAssembler:
+    a = GroupAssembler()
+    for e in episodes:
+        a.add(_delivery(*e))
+    return a
+
+
+def test_groups_are_taken_oldest_weights_first():
+    a = _assembler(("g/new", 0, 3), ("g/new", 1, 3), ("g/old", 0, 1), ("g/old", 1, 2))
+    assert [g.group_id for g in a.take(1)] == ["g/old"]
+    assert [g.group_id for g in a.ready] == ["g/new"]
+
+
+def test_due_names_groups_whose_last_chance_is_this_step():
+    a = _assembler(("g/late", 0, 1), ("g/young", 0, 2), ("g/done", 0, 2), ("g/done", 1, 2))
+    assert a.due(version=3, max_staleness=2, n=1) == ["g/late"]
+    assert a.due(version=4, max_staleness=2, n=2) == ["g/young"]  # g/done has the other
+    # already past saving at version 4: waiting for it cannot help
+    assert "g/late" not in a.due(version=4, max_staleness=2, n=2)
+    # nothing back yet: nothing known about its weights, so nothing to wait for
+    assert a.due(version=9, max_staleness=0, n=4) == []
+
+
+def test_due_leaves_out_groups_the_step_has_no_place_for():
+    a = _assembler(("g/late", 0, 1), ("g/full", 0, 1), ("g/full", 1, 1))
+    assert a.due(version=3, max_staleness=2, n=1) == []  # g/full takes the one place
+    assert a.due(version=3, max_staleness=2, n=2) == ["g/late"]
+
+
+async def _run(tmp_path: Path, wait_s: float) -> list[dict[str, Any]]:
+    """run/0 trains at v0; run/1 straggles (one member back at v0); run/2 is complete at
+    v1. At v1 the learner has a full batch (run/2), and it is run/1's last chance within
+    max_staleness=1; run/3 (v2) comes last."""
+    broker = memory_broker(TOPICS)
+    settings = LearnerSettings(
+        topics=TOPICS, trainer="synthetic", synthetic_step_s=0.0, feed=False, group_size=2,
+        groups_per_step=1, max_steps=3, max_staleness=1, straggler_wait_s=wait_s,
+        checkpoint_dir=tmp_path / "ckpt", metrics_file=tmp_path / "metrics.jsonl",
+    )
+    learner = Learner(settings, MemoryBus(broker))
+    producer = await MemoryBus(broker).producer()
+    scored = Topics(TOPICS).scored
+
+    async def send(group: str, index: int, version: int) -> None:
+        await producer.send(scored, _episode(group, index, version), key=group)
+
+    run = asyncio.create_task(learner.run())
+    for e in [("run/0", 0, 0), ("run/0", 1, 0), ("run/1", 0, 0)]:
+        await send(*e)
+    for _ in range(200):  # the first step, within 10 s
+        if learner.step >= 1:
+            break
+        await asyncio.sleep(0.05)
+    await send("run/2", 0, 1)
+    await send("run/2", 1, 1)
+    await asyncio.sleep(1.5)  # the straggler is still out
+    await send("run/1", 1, 0)
+    await send("run/3", 0, 2)
+    await send("run/3", 1, 2)
+    await asyncio.wait_for(run, 30)
+    return [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+async def test_the_learner_waits_for_a_straggler_instead_of_masking_it(tmp_path):
+    rows = await _run(tmp_path, wait_s=30)
+    assert [r["masked"] for r in rows] == [0, 0, 0]
+    assert [r["trained"] for r in rows] == [2, 2, 2]
+    assert max(r["staleness_max"] for r in rows) == 1  # the bound holds
+    assert rows[1]["waited_s"] >= 1.0  # step 2 held back until run/1 was complete
+
+
+async def test_without_waiting_the_straggler_is_masked_as_stale(tmp_path):
+    rows = await _run(tmp_path, wait_s=0)
+    assert [r["masked_stale"] for r in rows] == [0, 0, 2]  # both members of run/1
+    assert all(r["waited_s"] == 0 for r in rows)
