@@ -5,6 +5,11 @@ after its result is acknowledged by the broker, so a replica killed mid-batch le
 requests to another replica; the requester drops the duplicate answer by ``request_id``.
 Weights are reloaded between batches, never mid-sequence; every result carries the version
 that produced all of its tokens.
+
+The batch loop only generates and hands the results to the producer: waiting for the
+broker's acks, acking the requests and committing happen in the background (at most
+``MAX_UNSETTLED`` batches behind; commits every ``COMMIT_EVERY_S``), so the next batch does
+not wait two broker round trips for the previous one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from rlbus import telemetry
@@ -27,6 +32,11 @@ from rlbus.weights import ChecksumMismatchError
 
 log = logging.getLogger(__name__)
 
+MAX_UNSETTLED = 8
+"""Batches whose replies may still await the broker's acks; the loop waits beyond this."""
+COMMIT_EVERY_S = 0.2
+"""How often the offsets of answered (acked) requests are committed."""
+
 
 class Inference(Service[InferenceSettings]):
     name = "inference"
@@ -39,6 +49,7 @@ class Inference(Service[InferenceSettings]):
         self._latest: WeightVersion | None = None
         self._new_weights = asyncio.Event()
         self._refused = -1  # newest version whose files failed verification
+        self._unsettled: deque[asyncio.Task[None]] = deque()  # oldest first
 
     async def setup(self) -> None:
         if self.engine is None:
@@ -54,6 +65,7 @@ class Inference(Service[InferenceSettings]):
             [self.topics.steps], StepRequest, group_id=self.group
         )
         self.spawn("weights", self._watch_weights())
+        self.spawn("commits", self._commit_periodically())
 
     async def _catch_up_weights(self) -> None:
         """A (re)started replica serves the newest published weights from its first batch."""
@@ -121,8 +133,7 @@ class Inference(Service[InferenceSettings]):
 
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
         batch = await self._within_limits(batch)
-        if not batch:
-            await self.steps.commit()
+        if not batch:  # all dead-lettered and acked: the next periodic commit covers them
             return
         await self._await_version(max(d.message.min_version for d in batch))
         valid = [d for d in batch if self._routable(d)]
@@ -131,16 +142,39 @@ class Inference(Service[InferenceSettings]):
             "generate", self.member, links=spans, attributes={"rlbus.batch": len(valid)}
         ):
             results = await self._generate(valid)
-        await asyncio.gather(
-            *(self._reply(d, r, s) for d, r, s in zip(valid, results, spans, strict=True))
-        )
-        for d in batch:
-            self.steps.ack(d)
-        await self.steps.commit()
+        replies = [asyncio.create_task(self._reply(d, r, s))
+                   for d, r, s in zip(valid, results, spans, strict=True)]
+        await self._settle_later(batch, replies)
         self.count_input(len(batch))
         tokens = sum(len(r.completion_ids) for r in results)
         self.bump("tokens", tokens)
         telemetry.TOKENS.add(tokens, {"rlbus.service": self.member})
+
+    async def _settle_later(self, batch: list[Delivery[StepRequest]],
+                            replies: list[asyncio.Task[None]]) -> None:
+        """Ack ``batch`` once the broker has every reply, in the background; a reply the
+        broker refused stops the service with the batch unacked (another replica answers)."""
+        settle = asyncio.create_task(self._settle(batch, replies))
+        settle.add_done_callback(self._settled)
+        self._unsettled.append(settle)
+        while len(self._unsettled) > MAX_UNSETTLED:
+            await asyncio.wait({self._unsettled[0]})
+
+    async def _settle(self, batch: list[Delivery[StepRequest]],
+                      replies: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*replies)
+        for d in batch:
+            self.steps.ack(d)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self._unsettled.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a batch's replies were not delivered", exc_info=task.exception())
+            self.request_stop(f"replies not delivered: {task.exception()!r}")
+
+    async def _commit_periodically(self) -> None:
+        while not await self.wait_stopped(COMMIT_EVERY_S):
+            await self.steps.commit()
 
     async def _within_limits(self, batch: list[Delivery[StepRequest]]
                              ) -> list[Delivery[StepRequest]]:
@@ -225,6 +259,8 @@ class Inference(Service[InferenceSettings]):
             )
 
     async def drain(self) -> None:
+        if self._unsettled:  # replies handed to the producer: acked once the broker has them
+            await asyncio.wait(list(self._unsettled), timeout=self.settings.drain_timeout_s / 2)
         if hasattr(self, "steps"):
             await self.steps.commit()
         if self.engine is not None:
