@@ -285,6 +285,12 @@ class WeightVersion(Message):
     checksum: str
     step: int = Field(ge=0)
     created_at: float = Field(default_factory=time.time)
+    samples_trained: int = Field(default=0, ge=0)
+    """Episodes that have entered the loss up to this step, over the whole run (what
+    ``rlbus status`` reports as trained)."""
+    samples_masked: dict[str, int] = {}
+    """Episodes that reached the learner and were masked up to this step, by cause
+    (:data:`MASK_CAUSES`)."""
 
 
 class DeadLetter(Message):

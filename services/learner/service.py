@@ -28,7 +28,7 @@ from typing import Any
 
 from rlbus import plugins, telemetry
 from rlbus.limits import check_scored
-from rlbus.messages import ScoredTrajectory, WeightVersion
+from rlbus.messages import MASK_CAUSES, ScoredTrajectory, WeightVersion
 from rlbus.service import Service
 from rlbus.services.learner.feeder import Feeder
 from rlbus.services.learner.groups import GroupAssembler
@@ -55,6 +55,7 @@ class Learner(Service[LearnerSettings]):
         self._progress = asyncio.Event()
         self._t0 = time.monotonic()
         self._episodes_trained = 0
+        self._masked = dict.fromkeys(MASK_CAUSES, 0)  # episodes masked so far, by cause
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
         self._last_eval: dict[str, float] = {}
         self.feeder: Feeder | None = None
@@ -95,6 +96,7 @@ class Learner(Service[LearnerSettings]):
         self.ledger = state.get("ledger", [])
         self._episodes_trained = state.get("episodes_trained",
                                            sum(len(step) for step in self.ledger))
+        self._masked |= state.get("masked_by_cause", {})
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
 
     async def _published_version(self) -> int:
@@ -215,9 +217,11 @@ class Learner(Service[LearnerSettings]):
         for g in groups:
             for d in g.deliveries:
                 self.scored.ack(d)
-        await self._publish_weights()
         # what entered the loss: masked episodes (stale, failed, invalid) are counted apart
         self._episodes_trained += int(stats["trained"])
+        for cause in MASK_CAUSES:
+            self._masked[cause] += int(stats[f"masked_{cause}"])
+        await self._publish_weights()
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
         self._record({**stats, "waited_s": round(waited, 3)}, time.perf_counter() - t0)
@@ -250,6 +254,8 @@ class Learner(Service[LearnerSettings]):
             uri=uri,
             checksum=digest,
             step=self.step,
+            samples_trained=self._episodes_trained,
+            samples_masked=dict(self._masked),
         )
         await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
 
@@ -265,6 +271,7 @@ class Learner(Service[LearnerSettings]):
             "ledger": self.ledger,
             "ledger_first_step": self.step - len(self.ledger) + 1,
             "episodes_trained": self._episodes_trained,
+            "masked_by_cause": self._masked,
         }
         await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, state)
         self.offsets = offsets

@@ -1,8 +1,11 @@
-"""``rlbus status``: lag and throughput per topic and consumer group, live.
+"""``rlbus status``: lag and throughput per topic and consumer group, and what trained, live.
 
 Lag is the topic's end offset minus the group's committed offset, summed over partitions;
 throughput is how fast end offsets (produced) and committed offsets (consumed) move between
-two samples. Read-only: it joins no group and commits nothing.
+two samples. Records consumed are not samples trained: the learner's newest ``WeightVersion``
+carries its running counts of episodes that entered the loss and of those masked, by cause,
+and the second table shows them with the trained rate. Read-only: it joins no group and
+commits nothing.
 
 The topic prefix is printed once, above the table, and left out of topic and group names, so
 that ``demo-20261203-101112.trajectories`` and ``demo-20261203-101112.trajectories.scored``
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 
+from rlbus.messages import MASK_CAUSES, WeightVersion
 from rlbus.settings import KafkaSettings
 from rlbus.topics import Topics
 from rlbus.transport import KafkaBus, admin_client, with_timeout
@@ -34,6 +38,7 @@ class Sample:
     ends: dict[str, int]  # topic -> sum of end offsets
     committed: dict[tuple[str, str], int]  # (group, topic) -> sum of committed offsets
     lag: dict[tuple[str, str], int]  # (group, topic) -> records not yet committed
+    learner: dict[str, WeightVersion] = field(default_factory=dict)  # model -> newest version
 
 
 async def sample(kafka: KafkaSettings, topics: Topics, bus: KafkaBus) -> Sample:
@@ -54,7 +59,24 @@ async def sample(kafka: KafkaSettings, topics: Topics, bus: KafkaBus) -> Sample:
             )
             _fold(group, offsets, ends, committed, lag)
     per_topic = {n: sum(v for (t, _), v in ends.items() if t == n) for n in names}
-    return Sample(time.monotonic(), per_topic, committed, lag)
+    learner = await newest_weights(bus, topics.weights, ends.get((topics.weights, 0), 0))
+    return Sample(time.monotonic(), per_topic, committed, lag, learner)
+
+
+async def newest_weights(bus: KafkaBus, topic: str, end: int,
+                         last: int = 32) -> dict[str, WeightVersion]:
+    """The newest WeightVersion of each model among the ``last`` records before ``end``."""
+    if end <= 0:
+        return {}
+    reader = await bus.consumer([topic], WeightVersion, assign=[(topic, 0)])
+    try:
+        await reader.seek((topic, 0), max(0, end - last))
+        newest: dict[str, WeightVersion] = {}
+        for d in await reader.read_to_end((topic, 0)):
+            newest[d.message.model] = d.message
+        return newest
+    finally:
+        await reader.close()
 
 
 def _fold(
@@ -106,6 +128,33 @@ def table(prev: Sample | None, cur: Sample, prefix: str = "") -> Any:
     return t
 
 
+def training(prev: Sample | None, cur: Sample) -> Any:
+    """Samples that entered the loss (and the trained rate), and those masked by cause, per
+    model, from the learner's newest WeightVersion; None before its first step."""
+    from rich.table import Table
+
+    if not cur.learner:
+        return None
+    dt = (cur.at - prev.at) if prev else 0.0
+    t = Table(title="training: samples that entered the loss, and those masked")
+    for col in ("model", "step", "trained", "trained/s", *(f"masked {c}" for c in MASK_CAUSES)):
+        t.add_column(col, justify="right", no_wrap=True)
+    for model, w in sorted(cur.learner.items()):
+        before = prev.learner.get(model) if prev else None
+        rate = _rate(before.samples_trained if before else None, w.samples_trained, dt)
+        masked = (str(w.samples_masked.get(c, 0)) for c in MASK_CAUSES)
+        t.add_row(model, str(w.step), str(w.samples_trained), rate, *masked)
+    return t
+
+
+def render(prev: Sample | None, cur: Sample, prefix: str = "") -> Any:
+    """Both tables, as one renderable."""
+    from rich.console import Group
+
+    parts = [table(prev, cur, prefix), training(prev, cur)]
+    return Group(*(p for p in parts if p is not None))
+
+
 def _short(name: str, prefix: str) -> str:
     return name.removeprefix(prefix + ".") if prefix else name
 
@@ -133,12 +182,12 @@ async def status_command(
         prev = None
         cur = await sample(kafka, topics, bus)
         if once or not console.is_terminal:
-            console.print(table(prev, cur, prefix))
+            console.print(render(prev, cur, prefix))
             return 0
-        with Live(table(prev, cur, prefix), console=console, refresh_per_second=1) as live:
+        with Live(render(prev, cur, prefix), console=console, refresh_per_second=1) as live:
             while True:
                 await asyncio.sleep(interval)
                 prev, cur = cur, await sample(kafka, topics, bus)
-                live.update(table(prev, cur, prefix))
+                live.update(render(prev, cur, prefix))
     finally:
         await bus.close()

@@ -160,6 +160,22 @@ async def test_status_reports_lag_per_group_and_topic(env, unique_name):
     assert second.lag[(group, topics.prompts)] == 2
     rendered = table(first, second)
     assert rendered.row_count >= len(topics.catalogue())
+    assert first.learner == {}  # nothing trained yet: no training table
+
+
+async def test_status_reads_what_trained_from_the_newest_weight_version(env):
+    from rlbus.services.ops.status import sample
+
+    bus, topics = env
+    p = await bus.producer()
+    for step, model in [(1, "a"), (2, "a"), (1, "b"), (3, "a")]:
+        w = factories.weight_version(step).model_copy(
+            update={"model": model, "samples_trained": 10 * step,
+                    "samples_masked": {"stale": step}})
+        await p.send(topics.weights, w, key=model)
+    got = (await sample(bus.kafka, topics, bus)).learner
+    assert {m: (w.step, w.samples_trained, w.samples_masked) for m, w in got.items()} == {
+        "a": (3, 30, {"stale": 3}), "b": (1, 10, {"stale": 1})}
 
 
 async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap):

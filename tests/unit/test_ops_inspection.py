@@ -12,9 +12,9 @@ import msgpack
 from rich.console import Console
 
 from rlbus.codec import encode
-from rlbus.messages import DeadLetter, Prompt, StepRequest
+from rlbus.messages import DeadLetter, Prompt, StepRequest, WeightVersion
 from rlbus.services.ops import inspection
-from rlbus.services.ops.status import Sample, table
+from rlbus.services.ops.status import Sample, render, table
 from rlbus.settings import TopicSettings
 from rlbus.topics import Topics
 from rlbus.transport import RawRecord
@@ -112,6 +112,19 @@ def test_status_at_80_columns_shows_the_prefix_once_and_distinct_topic_names():
     short = {n.removeprefix(prefix + ".") for n in names}
     assert short <= cells  # trajectories and trajectories.scored, each in full
     assert "reward" in out and "[b]x[/b]" in out  # a group name is text, not markup
+
+
+def test_status_counts_samples_trained_apart_from_masked_ones_by_cause():
+    def at(t: float, step: int, trained: int, stale: int) -> Sample:
+        w = WeightVersion(model="policy", version=step, uri="u", checksum="c", step=step,
+                          samples_trained=trained, samples_masked={"stale": stale, "failed": 2})
+        return Sample(t, {}, {}, {}, {"policy": w})
+
+    console = Console(width=120, file=io.StringIO())
+    console.print(render(at(10.0, 4, 100, 1), at(12.0, 6, 150, 3)))
+    row = next(line for line in console.file.getvalue().splitlines() if "policy" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells == ["policy", "6", "150", "25.0", "3", "2", "0"]  # 50 trained in 2 s
 
 
 def test_trace_shortens_large_bad_records_and_json_keeps_them_whole():
