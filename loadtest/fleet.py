@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from loadtest.metrics import ArmResult, read_rows
+from loadtest.metrics import ArmResult, masked, read_rows
 from loadtest.scenario import Scenario
 from rlbus.services.ops.launcher import Proc, ServiceProcesses, child_env
 from rlbus.settings import KafkaSettings, TopicSettings
@@ -206,5 +206,5 @@ def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = Fa
     rows = read_rows(run_dir / "metrics.jsonl")
     extra = {"rollout_instances": s.rollout.instances,
              "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
-             "masked": sum(int(r.get("masked") or 0) for r in rows), **fleet.profiles()}
+             **masked(rows), **fleet.profiles()}
     return ArmResult("decoupled", s.name, rows, wall, s.warmup_steps, s.cooldown, extra)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlbus.messages import MASK_CAUSES
+
 
 @dataclass
 class ArmResult:
@@ -32,6 +34,7 @@ class ArmResult:
 
     @property
     def samples(self) -> int:
+        """Samples that entered the loss; masked ones are counted apart (:func:`masked`)."""
         return int(self.rows[-1]["episodes_trained"]) if self.rows else 0
 
     def _window(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -79,6 +82,12 @@ class ArmResult:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "rows": self.rows}
+
+
+def masked(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples that reached the learner and did not train: in all, and by cause."""
+    by_cause = {c: sum(int(r.get(f"masked_{c}") or 0) for r in rows) for c in MASK_CAUSES}
+    return {"masked": sum(by_cause.values()), "masked_by_cause": by_cause}
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

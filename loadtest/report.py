@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.metrics import ArmResult
+from rlbus.messages import MASK_CAUSES
 
 
 def _f(value: float, digits: int = 2) -> str:
@@ -43,16 +44,18 @@ def comparison_table(c: dict[str, Any]) -> str:
     rows = []
     for arm in ("decoupled", "synchronous"):
         r = c[arm]
-        rows.append([arm, str(r["samples_trained"]), str(r.get("masked", 0)),
+        by_cause = r.get("masked_by_cause") or {}
+        rows.append([arm, str(r["samples_trained"]),
+                     "/".join(str(by_cause.get(k, 0)) for k in MASK_CAUSES),
                      _f(r["throughput"]), _f(r["throughput_overall"]), _f(r["learner_busy"]),
                      _f(r["staleness_max"], 0), _f(r["wall_s"], 1)])
     b = c["bounds"]
     caps = ", ".join(f"{k} {v:.1f}" for k, v in b["capacities"].items())
     return "\n".join([
-        f"comparison on scenario {c['scenario']!r} (samples/s; steady state = warm-up and "
-        "drain steps left out)",
-        _table(["arm", "samples", "masked", "steady/s", "overall/s", "learner busy",
-                "stale max", "wall s"], rows),
+        f"comparison on scenario {c['scenario']!r} (samples that trained, and per second; "
+        "steady state = warm-up and drain steps left out)",
+        _table(["arm", "trained", "masked " + "/".join(MASK_CAUSES), "steady/s", "overall/s",
+                "learner busy", "stale max", "wall s"], rows),
         f"ratio decoupled/synchronous: {_f(c['ratio'] or 0)}x",
         f"ideal bound: {_f(b['ideal_samples_per_s'])} samples/s ({b['bottleneck']}-bound; "
         f"capacities: {caps}; the distribution's mean gives "

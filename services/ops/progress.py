@@ -27,7 +27,12 @@ def _window(rows: list[dict[str, Any]], key: str, last: bool = True) -> float | 
     return round(sum(v * w for v, w in part) / total, 4) if total else None
 
 
+def _masked(rows: list[dict[str, Any]]) -> int:
+    return sum(int(r.get("masked") or 0) for r in rows)
+
+
 def _rate(rows: list[dict[str, Any]]) -> float:
+    """Episodes that entered the loss per second (masked ones are not counted)."""
     if len(rows) < 2 or rows[-1]["time"] <= rows[0]["time"]:
         return 0.0
     episodes = rows[-1]["episodes_trained"] - rows[0]["episodes_trained"]
@@ -69,6 +74,7 @@ class Progress:
         return (
             f"step {r['step']:>4}/{self.total}  reward {_fmt(r.get('reward_mean'))}  "
             f"success {_fmt(r.get('success_rate'))}  staleness<={r.get('staleness_max')}  "
+            f"masked {int(r.get('masked') or 0)}  "
             f"loss {_fmt(r.get('loss'))}  t={r['time']:.0f}s"
             + (f"  eval@{r['eval_at_step']} {r['eval_success']:.3f}" if "eval_at_step" in r else "")
         )
@@ -82,7 +88,8 @@ class Progress:
             f"reward (last {WINDOW_EPISODES} ep.)",
             f"success (last {WINDOW_EPISODES} ep.)",
             "staleness max",
-            "episodes/s",
+            "trained/s",
+            "masked",
             "elapsed",
         ):
             t.add_column(col, justify="right")
@@ -94,10 +101,11 @@ class Progress:
                 _fmt(_window(rows, "success_rate")),
                 str(max(int(x.get("staleness_max") or 0) for x in rows)),
                 f"{_rate(rows):.1f}",
+                str(_masked(rows)),
                 f"{r['time']:.0f}s",
             )
         else:
-            t.add_row(f"0/{self.total}", "-", "-", "-", "-", "waiting for the first step")
+            t.add_row(f"0/{self.total}", "-", "-", "-", "-", "-", "waiting for the first step")
         return t
 
 
@@ -114,7 +122,7 @@ def summarize(
         "wall_seconds": round(wall, 1),
         "training_seconds": rows[-1]["time"] if rows else 0,
         "episodes_trained": rows[-1]["episodes_trained"] if rows else 0,
-        "episodes_per_second": round(_rate(rows), 2),
+        "trained_per_second": round(_rate(rows), 2),
         "success_start": _window(rows, "success_rate", last=False),
         "success_end": _window(rows, "success_rate"),
         "reward_start": _window(rows, "reward_mean", last=False),
@@ -122,7 +130,7 @@ def summarize(
         "staleness_max": max((int(r.get("staleness_max") or 0) for r in rows), default=0),
         "eval_success": evaluations(rows),
         "greedy_target": first_at_target(rows),
-        "masked_total": sum(int(r.get("masked") or 0) for r in rows),
+        "masked_total": _masked(rows),
         "masked_by_cause": {c: sum(int(r.get(f"masked_{c}") or 0) for r in rows)
                             for c in MASK_CAUSES},
         "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
