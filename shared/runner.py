@@ -10,6 +10,7 @@ import asyncio
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -52,6 +53,18 @@ def configure_logging(level: str) -> None:
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop if asked for and installed; None: asyncio's default."""
+    if kind != "uvloop":
+        return None
+    try:
+        import uvloop
+    except ImportError:  # not built for this platform (Windows): asyncio's own loop
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     """Parse settings (env + overrides), then import and serve the service until it stops."""
     try:
@@ -62,7 +75,8 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     telemetry.setup(f"rlbus-{name}")
     try:
         service = load(SERVICES[name][1])(settings)
-        summary: dict[str, Any] = asyncio.run(service.serve())
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            summary: dict[str, Any] = runner.run(service.serve())
     except BrokerConnectError as exc:
         raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
     except PluginError as exc:  # a task, agent or verifier that cannot be found or loaded

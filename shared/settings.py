@@ -214,6 +214,9 @@ class ServiceSettings(BaseSettings):
     """Stop after this many seconds without input (bounded runs for tests)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long to finish in-flight work before giving it back."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The asyncio event loop: uvloop (faster per message; docs/performance.md) where it is
+    installed (not on Windows, which falls back to asyncio's own), or asyncio's own."""
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:

@@ -43,3 +43,13 @@ async def test_a_crashed_background_task_stops_the_service_instead_of_vanishing(
     reward.spawn("boom", boom())
     summary = await asyncio.wait_for(run, 10)
     assert "watcher died" in summary["stop_reason"]
+
+
+def test_services_run_on_uvloop_unless_told_otherwise():
+    import uvloop
+
+    from rlbus.runner import loop_factory
+
+    assert RewardSettings().event_loop == "uvloop"
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None  # asyncio's default loop
