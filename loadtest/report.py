@@ -44,9 +44,7 @@ def comparison_table(c: dict[str, Any]) -> str:
     rows = []
     for arm in ("decoupled", "synchronous"):
         r = c[arm]
-        by_cause = r.get("masked_by_cause") or {}
-        rows.append([arm, str(r["samples_trained"]),
-                     "/".join(str(by_cause.get(k, 0)) for k in MASK_CAUSES),
+        rows.append([arm, str(r["samples_trained"]), _by_cause(r.get("masked_by_cause") or {}),
                      _f(r["throughput"]), _f(r["throughput_overall"]), _f(r["learner_busy"]),
                      _f(r["staleness_max"], 0), _f(r["wall_s"], 1)])
     b = c["bounds"]
@@ -90,20 +88,26 @@ def scaling_rows(runs: list[tuple[ArmResult, dict[str, Any]]]) -> list[dict[str,
     return [
         {"rollout_instances": r.extra["rollout_instances"], "throughput": r.throughput(),
          "ideal": b["ideal_samples_per_s"], "bottleneck": b["bottleneck"],
-         "learner_busy": r.busy(), "capacities": b["capacities"], "run": r.to_json()}
+         "learner_busy": r.busy(), "masked_by_cause": r.extra.get("masked_by_cause", {}),
+         "capacities": b["capacities"], "run": r.to_json()}
         for r, b in runs
     ]
 
 
 def scaling_table(scenario: str, rows: list[dict[str, Any]]) -> str:
     body = [[str(r["rollout_instances"]), _f(r["throughput"]), _f(r["ideal"]),
-             _f(100 * r["throughput"] / r["ideal"], 0), r["bottleneck"], _f(r["learner_busy"])]
+             _f(100 * r["throughput"] / r["ideal"], 0), r["bottleneck"], _f(r["learner_busy"]),
+             _by_cause(r["masked_by_cause"])]
             for r in rows]
     return "\n".join([
-        f"scaling the rollout tier on scenario {scenario!r} (samples/s)",
-        _table(["rollouts", "steady/s", "ideal/s", "% ideal", "bound by", "learner busy"],
-               body),
+        f"scaling the rollout tier on scenario {scenario!r} (samples that trained per second)",
+        _table(["rollouts", "steady/s", "ideal/s", "% ideal", "bound by", "learner busy",
+                "masked " + "/".join(MASK_CAUSES)], body),
     ])
+
+
+def _by_cause(masked: dict[str, int]) -> str:
+    return "/".join(str(masked.get(k, 0)) for k in MASK_CAUSES)
 
 
 # --------------------------------------------------------------------------- files
