@@ -15,8 +15,6 @@ side by side within one run: the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import signal
 import sys
 import time
@@ -43,12 +41,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg": os.getloadavg(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
 def run_part(part: str, args: argparse.Namespace, bootstrap: str, out: Path) -> dict[str, Any]:
     s = load(args.scenario or ("smoke" if args.smoke else SCENARIOS[part]))
     if part == "comparison":
@@ -69,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     from rlbus.services.ops.broker import bootstrap_or_start
 
-    results: dict[str, Any] = {"machine": machine(), "argv": sys.argv[1:], "out": str(out)}
+    results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "out": str(out)}
     suite.say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")
     bootstrap, cluster = bootstrap_or_start()
     try:

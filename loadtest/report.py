@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ def _f(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
     body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
@@ -52,7 +55,7 @@ def comparison_table(c: dict[str, Any]) -> str:
     return "\n".join([
         f"comparison on scenario {c['scenario']!r} (samples that trained, and per second; "
         "steady state = warm-up and drain steps left out)",
-        _table(["arm", "trained", "masked " + "/".join(MASK_CAUSES), "steady/s", "overall/s",
+        table(["arm", "trained", "masked " + "/".join(MASK_CAUSES), "steady/s", "overall/s",
                 "learner busy", "stale max", "wall s"], rows),
         f"ratio decoupled/synchronous: {_f(c['ratio'] or 0)}x",
         f"ideal bound: {_f(b['ideal_samples_per_s'])} samples/s ({b['bottleneck']}-bound; "
@@ -101,8 +104,8 @@ def scaling_table(scenario: str, rows: list[dict[str, Any]]) -> str:
             for r in rows]
     return "\n".join([
         f"scaling the rollout tier on scenario {scenario!r} (samples that trained per second)",
-        _table(["rollouts", "steady/s", "ideal/s", "% ideal", "bound by", "learner busy",
-                "masked " + "/".join(MASK_CAUSES)], body),
+        table(["rollouts", "steady/s", "ideal/s", "% ideal", "bound by", "learner busy",
+               "masked " + "/".join(MASK_CAUSES)], body),
     ])
 
 
@@ -113,8 +116,15 @@ def _by_cause(masked: dict[str, int]) -> str:
 # --------------------------------------------------------------------------- files
 
 
-def write_json(out: Path, results: dict[str, Any]) -> Path:
-    path = out / "results.json"
+def machine() -> dict[str, Any]:
+    """What the figures were measured on, and how loaded it was when the run began."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_json(out: Path, results: dict[str, Any], name: str = "results.json") -> Path:
+    path = out / name
     path.write_text(json.dumps(_strict(results), indent=2, default=str) + "\n")
     return path
 
