@@ -91,7 +91,7 @@ class SyncTrainer:
             episode = Episode(task=self.task, spec=spec, env=self.task.make_env(),
                               policy=self.batcher, tokenizer=self.tokenizer,
                               sampling=self.sampling,
-                              max_context_tokens=self.limits.max_context_tokens,
+                              max_context_tokens=self.s.rollout.max_context_tokens,
                               timeout_s=self.limits.env_timeout_s)
             await self.agent.run(episode)
         return self.task.score(spec, [t.action for t in episode.turns])

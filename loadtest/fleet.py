@@ -165,6 +165,7 @@ def rollout_env(s: Scenario) -> dict[str, str]:
         "RLBUS_MAX_CONCURRENT_EPISODES": str(s.rollout.max_concurrent_episodes),
         "RLBUS_MAX_GROUPS_IN_FLIGHT": str(groups),
         "RLBUS_ENV_TIMEOUT_S": str(max(30.0, 2 * env_cap_s)),
+        "RLBUS_MAX_CONTEXT_TOKENS": str(s.rollout.max_context_tokens),
     }
 
 
@@ -204,7 +205,7 @@ def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = Fa
         fleet.wait_exit(learner, s.timeout_s)
         wall = time.monotonic() - started
     rows = read_rows(run_dir / "metrics.jsonl")
-    extra = {"rollout_instances": s.rollout.instances,
+    extra = {"rollout_instances": s.rollout.instances, "prefix": fleet.prefix,
              "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
              **masked(rows), **fleet.profiles()}
     return ArmResult("decoupled", s.name, rows, wall, s.warmup_steps, s.cooldown, extra)

@@ -53,6 +53,9 @@ class Rollout(_Section):
     """Per instance; the synchronous baseline gets instances * this."""
     max_groups_in_flight: int | None = Field(default=None, ge=1)
     """Per instance; default four times the groups its episode slots hold at once."""
+    max_context_tokens: int = Field(default=4096, ge=16)
+    """Longest context an episode may reach (RLBUS_MAX_CONTEXT_TOKENS); long-trajectory
+    scenarios raise it, or their episodes end early."""
 
 
 class Inference(_Section):
