@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import pstats
 import time
 import uuid
@@ -117,6 +118,11 @@ class Fleet:
             time.sleep(0.2)
         self.check_alive(finished=proc)
 
+    def cpu_seconds(self, others: dict[str, int]) -> dict[str, float]:
+        """CPU seconds each running process and each of ``others`` (label: pid) has used."""
+        pids = {**{p.label: p.popen.pid for p in self.procs if p.alive}, **others}
+        return {label: cpu_seconds(pid) for label, pid in pids.items()}
+
     def profiles(self, top: int = 25) -> dict[str, dict[str, str]]:
         """With ``profile``: each stopped process's top functions by own time, written next
         to its log as ``profile-<name>.txt``; returns their paths by process name."""
@@ -132,6 +138,15 @@ class Fleet:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM everyone (the learner first: it checkpoints), SIGKILL stragglers."""
         self.processes.stop(first="learner", timeout=grace_s)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _read(path: Path) -> str:
@@ -188,8 +203,13 @@ def learner_env(s: Scenario, run_dir: Path) -> dict[str, str]:
     }
 
 
-def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = False) -> ArmResult:
-    """The four tiers as processes; returns once the learner has taken ``s.steps`` steps."""
+def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = False,
+                  watch: dict[str, int] | None = None) -> ArmResult:
+    """The four tiers as processes; returns once the learner has taken ``s.steps`` steps.
+
+    ``extra["cpu_s"]``: CPU seconds of each process from the moment all are ready to the
+    learner's exit, and of the processes in ``watch`` (label: pid; e.g. the broker) over
+    the same window. The learner is not in it: it has exited when the window closes."""
     partitions = max(8, s.rollout.instances, s.inference.instances)
     fleet = Fleet(run_dir, bootstrap, partitions, max(8, s.rollout.instances), profile)
     with fleet:
@@ -201,11 +221,13 @@ def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = Fa
         for i in range(s.rollout.instances):
             fleet.spawn("rollout", i, rollout_env(s))
         fleet.wait_ready()
+        ready = fleet.cpu_seconds(watch or {})  # start-up (imports, joining groups) left out
         learner = fleet.spawn("learner", 0, learner_env(s, run_dir))
         fleet.wait_exit(learner, s.timeout_s)
         wall = time.monotonic() - started
+        cpu = {k: v - ready[k] for k, v in fleet.cpu_seconds(watch or {}).items() if k in ready}
     rows = read_rows(run_dir / "metrics.jsonl")
-    extra = {"rollout_instances": s.rollout.instances, "prefix": fleet.prefix,
+    extra = {"rollout_instances": s.rollout.instances, "prefix": fleet.prefix, "cpu_s": cpu,
              "duplicates_dropped": rows[-1].get("duplicates_dropped", 0) if rows else 0,
              **masked(rows), **fleet.profiles()}
     return ArmResult("decoupled", s.name, rows, wall, s.warmup_steps, s.cooldown, extra)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import Fleet, FleetError, Proc, inference_env, rollout_env
+from loadtest.fleet import Fleet, FleetError, Proc, cpu_seconds, inference_env, rollout_env
 from loadtest.scenario import Scenario
 from rlbus.messages import Prompt, Sampling, StepRequest, StepResult
 from rlbus.settings import KafkaSettings, TopicSettings
@@ -126,7 +126,7 @@ def sustained_rate(kafka: KafkaSettings, topics: Topics, fleet: Fleet, procs: li
 def _sample(kafka: KafkaSettings, topics: Topics, partitions: int,
             procs: list[Proc]) -> tuple[int, list[float], float]:
     steps = asyncio.run(_steps_sent(kafka, topics, partitions))
-    return steps, [*(_cpu_s(p) for p in procs), _machine_cpu_s()], time.monotonic()
+    return steps, [*(cpu_seconds(p.popen.pid) for p in procs), _machine_cpu_s()], time.monotonic()
 
 
 async def _steps_sent(kafka: KafkaSettings, topics: Topics, partitions: int) -> int:
@@ -137,15 +137,6 @@ async def _steps_sent(kafka: KafkaSettings, topics: Topics, partitions: int) -> 
         return sum((await reader.end_offsets(tps)).values())
     finally:
         await bus.close()
-
-
-def _cpu_s(proc: Proc) -> float:
-    """User + system CPU seconds of a live process (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{proc.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _machine_cpu_s() -> float:
