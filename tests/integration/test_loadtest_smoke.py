@@ -1,32 +1,22 @@
 """The load-test harness end to end on the smoke scenario (no timing is checked)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from loadtest.scenario import load
-from rlbus.services.ops.launcher import child_env
+from tests.support.benchmarks import run_smoke
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def smoke_run(kafka_bootstrap, tmp_path_factory):
     out = tmp_path_factory.mktemp("loadtest")
-    env = child_env()
-    env["RLBUS_KAFKA_BOOTSTRAP"] = kafka_bootstrap  # the session's broker, not a second one
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadtest", "--smoke", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout, json.loads((out / "results.json").read_text())
+    stdout = run_smoke("loadtest", kafka_bootstrap, out, timeout_s=240)
+    return out, stdout, json.loads((out / "results.json").read_text())
 
 
 def test_both_arms_train_every_sample_once(smoke_run):
