@@ -8,24 +8,27 @@
 each half observation, half completion with its logprobs):
 
 * codec: encode and decode time per message and wire bytes of the packed encoding the wire
-  uses, on :func:`loadtest.codec_bench.make_trajectory`'s trajectory of that shape;
+  uses, on :func:`loadtest.codec_bench.make_trajectory`'s trajectory of that shape, and of
+  the StepRequest of its last turn;
 * broker: produce and consume MB/s and messages/s of that trajectory through the local
   broker, on fresh topics, with our own idempotent ``acks=all`` producer (``send``, so
   encoding included) and consumer (``poll``, so decoding into ``Trajectory`` included);
 * end to end: the four services as processes over Kafka (:func:`loadtest.fleet.run_decoupled`)
   with a zero-latency synthetic environment and engine whose episodes reach that length,
-  and a synthetic trainer of :data:`LEARNER_STEP_S`. Steady-state samples/s, and the bytes
-  each finished episode put on the broker per topic, read back from the run's topics. Every
-  StepRequest carries the whole context so far, so step traffic grows with turns x length.
+  and a synthetic trainer of :data:`LEARNER_STEP_S`. Steady-state samples/s; per finished
+  episode the bytes it put on each topic (read back from the run's topics) and the CPU
+  time of each process (the broker's too, if this run started it). Every StepRequest
+  carries the whole context so far, so step traffic grows with turns x length.
 
 **Weights** of about 10 MB, 100 MB and 1 GB (fp32 parameters of a plain stack of
-``nn.Linear`` layers), median of ``--repeats`` rounds: the learner's ``save_weights``
-(its sha256 call timed in place, :func:`hash_timer`; the write is the rest, with the rename
-and the pruning of the previous version), the WeightVersion send and its arrival at a
-consumer, and the reader's side as the hf engine does it (``verified_weights``, then
-``safetensors.torch.load_model`` into a same-shaped module of zeros). Files go to a
-temporary folder that is deleted; the file is in the page cache when it is hashed and read
-back, as on one machine (a replica elsewhere reads it over its storage instead).
+``nn.Linear`` layers), the median of ``--repeats`` rounds by total time: the learner's
+``save_weights`` (its sha256 call timed in place, :func:`hash_timer`; the write is the
+rest, with the rename and the pruning of the previous version), the WeightVersion send and
+its arrival at a consumer, and the reader's side as the hf engine does it
+(``verified_weights``, then ``safetensors.torch.load_model`` into a same-shaped module of
+zeros). Files go to a temporary folder that is deleted; the file is in the page cache when
+it is hashed and read back, as on one machine (a replica elsewhere reads it over its
+storage instead).
 
 Starts a local Kafka broker unless ``RLBUS_KAFKA_BOOTSTRAP`` names one. Writes ``cost.json``
 (every figure, the machine and its load average before and after each part) into ``--out``
@@ -129,10 +132,18 @@ def trajectories(shapes: tuple[Shape, ...], bootstrap: str, out: Path, smoke: bo
 
 
 def codec(traj: Trajectory, smoke: bool) -> dict[str, Any]:
-    """Best-of-5 encode/decode ms per message of the packed wire encoding."""
+    """Best-of-5 encode/decode ms per message of the packed wire encoding: the trajectory,
+    and the StepRequest of its last turn (a context of every token but the last turn's
+    completion; an episode sends one per turn, each with the whole context so far)."""
     number = 1 if smoke else max(5, 200_000 // traj.num_tokens)
     enc_ms, dec_ms, size = measure(True, traj, number)
-    return {"tokens": traj.num_tokens, "encode_ms": enc_ms, "decode_ms": dec_ms, "bytes": size}
+    context = traj.num_tokens - len(traj.turns[-1].completion_ids)
+    step = StepRequest(request_id="e/t0", episode_id="e", turn=len(traj.turns) - 1,
+                       input_ids=[i % 50_000 for i in range(context)], reply_partition=0)
+    step_enc, step_dec, step_size = measure(True, step, number)
+    return {"tokens": traj.num_tokens, "encode_ms": enc_ms, "decode_ms": dec_ms, "bytes": size,
+            "last_step": {"tokens": context, "encode_ms": step_enc, "decode_ms": step_dec,
+                          "bytes": step_size}}
 
 
 def codec_share(c: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
@@ -326,7 +337,7 @@ async def records(bus: KafkaBus, topic: str) -> AsyncIterator[RawRecord]:
 
 
 def weights(sizes_mb: tuple[int, ...], bootstrap: str, repeats: int) -> dict[str, Any]:
-    """Publication cost per model size; median of ``repeats`` rounds each."""
+    """Publication cost per model size; the median round of ``repeats`` each."""
     kafka = KafkaSettings(bootstrap=bootstrap)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cost-weights-") as tmp:
@@ -447,12 +458,10 @@ async def publish(producer: Producer, events: Consumer[WeightVersion], topic: st
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per timed figure, the median over rounds; checks must hold in every round."""
-    timed = [k for k, v in rounds[0].items() if k.endswith("_s")]
-    out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in timed}
-    out["bytes"] = rounds[0]["bytes"]
-    out["loaded_equal"] = all(r["loaded_equal"] for r in rounds)
-    return out
+    """The round whose total time is the median (its parts add up, as separate medians'
+    would not); ``loaded_equal`` must hold in every round."""
+    middle = sorted(rounds, key=lambda r: r["total_s"])[len(rounds) // 2]
+    return {**middle, "loaded_equal": all(r["loaded_equal"] for r in rounds)}
 
 
 # --------------------------------------------------------------------------- tables
@@ -466,6 +475,7 @@ def trajectory_table(part: dict[str, Any]) -> str:
         rows.append([
             f"{c['tokens']} ({r['shape']['turns']} turns)", f"{c['encode_ms']:.3f}",
             f"{c['decode_ms']:.3f}", f"{c['bytes'] / 1e3:.1f}",
+            f"{c['last_step']['encode_ms']:.3f}/{c['last_step']['decode_ms']:.3f}",
             f"{b['produce']['mb_per_s']:.1f} ({b['produce']['messages_per_s']:.0f})",
             f"{b['consume']['mb_per_s']:.1f} ({b['consume']['messages_per_s']:.0f})",
             f"{e['traffic']['tokens_mean']:.0f}", f"{e['samples_per_s']:.2f}",
@@ -473,7 +483,8 @@ def trajectory_table(part: dict[str, Any]) -> str:
         ])
     return "\n".join([
         "trajectories: codec per message, broker MB/s (msgs/s), end to end over Kafka",
-        report.table(["tokens", "encode ms", "decode ms", "wire KB", "produce MB/s",
+        report.table(["tokens", "encode ms", "decode ms", "wire KB", "last step enc/dec ms",
+                      "produce MB/s",
                       "consume MB/s", "e2e tokens", "e2e samples/s", "step-req MB/sample",
                       "CPU ms/sample"], rows),
         "CPU ms/sample: " + "/".join(CPU_ORDER) + " (the broker only if this run started it)",
@@ -501,7 +512,7 @@ def weight_table(part: dict[str, Any]) -> str:
             f"{r['total_s']:.2f}", str(r["loaded_equal"]),
         ])
     return "\n".join([
-        "weight publication: seconds (MB/s); median of the rounds",
+        "weight publication: seconds (MB/s); the round of median total time",
         report.table(["MB", "write s", "sha256 s", "send ms", "arrive ms", "verify s",
                       "load s", "total s", "loaded = saved"], rows),
     ])

@@ -29,7 +29,7 @@ def test_every_part_and_the_machine_are_recorded(cost):
 def test_trajectory_bytes_grow_with_tokens(cost):
     rows = cost[1]["trajectories"]["rows"]
     assert [r["shape"]["tokens"] for r in rows] == [s.tokens for s in SMOKE_SHAPES]
-    for key in (lambda r: r["codec"]["bytes"],
+    for key in (lambda r: r["codec"]["bytes"], lambda r: r["codec"]["last_step"]["bytes"],
                 lambda r: r["e2e"]["traffic"]["per_episode"]["step_requests"]["bytes"],
                 lambda r: r["e2e"]["traffic"]["per_episode"]["trajectories"]["bytes"]):
         sizes = [key(r) for r in rows]
