@@ -114,19 +114,31 @@ def loadavg() -> list[float]:
 # --------------------------------------------------------------------------- trajectories
 
 
-def trajectories(shapes: tuple[Shape, ...], bootstrap: str, out: Path, smoke: bool,
-                 broker_pids: dict[str, int]) -> dict[str, Any]:
-    """Codec, broker and end-to-end figures per shape, each measured alone in turn.
-    ``broker_pids``: the broker's JVMs, whose CPU is counted end to end (if ours)."""
-    kafka = KafkaSettings(bootstrap=bootstrap)
+@dataclass(frozen=True)
+class Bench:
+    """Where and how this run measures."""
+
+    bootstrap: str
+    out: Path
+    smoke: bool
+    profile: bool
+    """End-to-end processes under cProfile (``profile-<process>.txt`` in each run folder)."""
+    broker_pids: dict[str, int]
+    """The broker's JVMs, if this run started them: their CPU is counted end to end."""
+
+
+def trajectories(shapes: tuple[Shape, ...], bench: Bench) -> dict[str, Any]:
+    """Codec, broker and end-to-end figures per shape, each measured alone in turn."""
+    kafka = KafkaSettings(bootstrap=bench.bootstrap)
     rows = []
     for shape in shapes:
         say(f"trajectories of ~{shape.tokens} tokens ({shape.turns} turns)")
         traj = make_trajectory(shape.tokens, shape.turns)
         row = {"shape": {**asdict(shape), "per_turn": shape.per_turn},
-               "codec": codec(traj, smoke), "broker": asyncio.run(broker(kafka, traj, smoke))}
+               "codec": codec(traj, bench.smoke),
+               "broker": asyncio.run(broker(kafka, traj, bench.smoke))}
         row["codec_share"] = codec_share(row["codec"], row["broker"])
-        row["e2e"] = end_to_end(shape, bootstrap, out, smoke, broker_pids)
+        row["e2e"] = end_to_end(shape, bench)
         rows.append(row)
     return {"rows": rows, "learner_step_s": LEARNER_STEP_S, "loadavg_after": loadavg()}
 
@@ -253,15 +265,15 @@ def scenario(shape: Shape, smoke: bool) -> Scenario:
     )
 
 
-def end_to_end(shape: Shape, bootstrap: str, out: Path, smoke: bool,
-               broker_pids: dict[str, int]) -> dict[str, Any]:
+def end_to_end(shape: Shape, bench: Bench) -> dict[str, Any]:
     """One decoupled run: steady samples/s, and per finished episode the bytes it put on
     each topic and the CPU time each process spent."""
-    s = scenario(shape, smoke)
-    run_dir = out / f"e2e-{shape.tokens}"
+    s = scenario(shape, bench.smoke)
+    run_dir = bench.out / f"e2e-{shape.tokens}"
     shutil.rmtree(run_dir, ignore_errors=True)  # else the learner resumes its old checkpoint
-    run = run_decoupled(s, bootstrap, run_dir, watch=broker_pids)
-    traffic = asyncio.run(run_traffic(KafkaSettings(bootstrap=bootstrap), run.extra["prefix"]))
+    run = run_decoupled(s, bench.bootstrap, run_dir, bench.profile, watch=bench.broker_pids)
+    kafka = KafkaSettings(bootstrap=bench.bootstrap)
+    traffic = asyncio.run(run_traffic(kafka, run.extra["prefix"]))
     episodes = max(traffic["episodes"], 1)
     return {"scenario": s.model_dump(), "expected_tokens": shape.e2e_tokens,
             "samples_per_s": run.throughput(), "run": run.summary(), "traffic": traffic,
@@ -530,6 +542,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="tiny sizes: checks the harness in seconds, not timings")
     p.add_argument("--out", type=Path, help="output folder (default runs/cost-<time>)")
     p.add_argument("--repeats", type=int, default=5, help="rounds per weight size")
+    p.add_argument("--profile", action="store_true",
+                   help="end-to-end service processes under cProfile (slower; hot spots)")
     return p.parse_args(argv)
 
 
@@ -537,14 +551,12 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop processes
 
 
-def run_part(part: str, args: argparse.Namespace, bootstrap: str, out: Path,
-             broker_pids: dict[str, int]) -> dict[str, Any]:
+def run_part(part: str, args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     if part == "trajectories":
-        result = trajectories(SMOKE_SHAPES if args.smoke else SHAPES, bootstrap, out,
-                              args.smoke, broker_pids)
+        result = trajectories(SMOKE_SHAPES if args.smoke else SHAPES, bench)
         print(trajectory_table(result), flush=True)
         return result
-    result = weights(SMOKE_WEIGHT_MB if args.smoke else WEIGHT_MB, bootstrap,
+    result = weights(SMOKE_WEIGHT_MB if args.smoke else WEIGHT_MB, bench.bootstrap,
                      1 if args.smoke else args.repeats)
     print(weight_table(result), flush=True)
     return result
@@ -561,11 +573,12 @@ def main(argv: list[str] | None = None) -> int:
                                "smoke": args.smoke}
     say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")
     bootstrap, cluster = bootstrap_or_start()
-    broker_pids = {f"broker-{i}": pid for i, pid in enumerate(cluster.pids if cluster else [])
-                   if pid is not None}
+    pids = {f"broker-{i}": pid for i, pid in enumerate(cluster.pids if cluster else [])
+            if pid is not None}
+    bench = Bench(bootstrap, out, args.smoke, args.profile, pids)
     try:
         for part in args.only or ["trajectories", "weights"]:
-            results[part] = run_part(part, args, bootstrap, out, broker_pids)
+            results[part] = run_part(part, args, bench)
             report.write_json(out, results, "cost.json")  # a later failure keeps these
     finally:
         if cluster is not None:
