@@ -31,7 +31,7 @@ def comparison(s: Scenario, bootstrap: str, out: Path, profile: bool) -> dict[st
 def overhead(s: Scenario, bootstrap: str, out: Path, profile: bool, smoke: bool) -> dict[str, Any]:
     """Round trip and sustained steps/s of the Kafka path (shorter with ``smoke``)."""
     say(f"Kafka path overhead on {s.name}")
-    result = measure(s, bootstrap, out / "overhead", trips=50 if smoke else 500,
+    result = measure(s, bootstrap, out / "overhead", trips=50 if smoke else 2000,
                      window_s=2.0 if smoke else 10.0, warmup_s=0.5 if smoke else 3.0,
                      profile=profile)
     print(report.overhead_table(result), flush=True)
