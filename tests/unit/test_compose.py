@@ -283,3 +283,23 @@ def test_build_targets_exist_in_the_dockerfile():
     for name, service in services().items():
         if "build" in service:
             assert service["build"].get("target") in stages, name
+
+
+def test_learner_runs_the_demo_recipe():
+    """`docker compose up` trains what `rlbus demo` trains, for as many steps by default."""
+    from rlbus.services.ops.demo import DEFAULT_STEPS, RECIPE
+
+    env = environment(services()["learner"])
+    assert {k: env.get(k) for k in RECIPE} == RECIPE
+    assert env["RLBUS_MAX_STEPS"] == str(DEFAULT_STEPS)
+
+
+def test_kafka_advertises_the_host_port_it_publishes():
+    kafka = services()["kafka"]
+    (published,) = kafka["ports"]
+    host, container = published.rsplit(":", 1)
+    assert container == "29092"
+    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert f"EXTERNAL://localhost:{host}" in advertised, "a moved host port must be advertised"
+    assert interpolate(host) == "29092"
+
