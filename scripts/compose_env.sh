@@ -47,8 +47,9 @@ ensure_daemon() {
     return
   fi
   say "starting dockerd (log: $CACHE/dockerd.log)"
-  # Its own session: the daemon outlives this script and make; later runs reuse it.
-  setsid nohup dockerd >>"$CACHE/dockerd.log" 2>&1 </dev/null &
+  # Its own session: the daemon outlives this script and make; later runs reuse it. And
+  # not our fd 3: a caller's $(...) would wait for the daemon to close it, forever.
+  setsid nohup dockerd >>"$CACHE/dockerd.log" 2>&1 </dev/null 3>&- &
   for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && { say "dockerd is up"; return; }
     sleep 1
@@ -114,8 +115,9 @@ ensure_images() {
 
   lib=$(.venv/bin/python -c 'from rlbus.services.ops.broker import resolve_jars; print(resolve_jars())')
   cp "$lib"/*.jar "$kafka/libs/"
-  mvn -q -B -Dstyle.color=never dependency:copy -Dartifact="org.apache.kafka:kafka-tools:$KAFKA_VERSION" \
-    -DoutputDirectory="$kafka/libs"
+  mvn -q -B dependency:copy -Dartifact="org.apache.kafka:kafka-tools:$KAFKA_VERSION" \
+    -DoutputDirectory="$kafka/libs" >"$BUILD/mvn.log" 2>&1 ||
+    { cat "$BUILD/mvn.log"; die "Maven could not resolve kafka-tools $KAFKA_VERSION"; }
   cp tests/compose/kafka/* "$kafka/"
   build_image "$KAFKA_IMAGE" "$kafka" "$kafka/Dockerfile"
 }
