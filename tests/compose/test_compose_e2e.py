@@ -3,8 +3,11 @@
 docker-compose.yml with tests/compose/offline.yml (local base and Kafka images; Jaeger left
 out), built and started with `--scale rollout=2 --scale inference=2`. Once training is
 under way, `docker kill` (SIGKILL) one rollout and one inference container while their
-episodes and step requests are in flight; the survivors must carry the run on alone, then
-the killed two are started again and rejoin. The learner must reach its max steps, and its
+episodes and step requests are in flight, and crash the reward service inside its container
+(SIGKILL mid-transaction). Docker restarts the crashed reward (its restart policy) but not
+the two killed by hand (a manual stop): the other rollout and inference must carry the run
+on alone, then the killed two are started again and rejoin. The learner must reach its max
+steps, and its
 checkpoint ledger must hold every published episode exactly once, every step a full batch,
 no sample masked as failed. `down -v` must leave no container, network or volume behind.
 
@@ -83,7 +86,7 @@ class Stack:
 
     command: list[str]
     env: dict[str, str]
-    killed: set[str] = field(default_factory=set)
+    killed: set[str] = field(default_factory=set)  # by us: their exits and restarts are due
     timings: dict[str, float] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
 
@@ -106,6 +109,10 @@ class Stack:
     def names(self, service: str) -> list[str]:
         return sorted(c["Name"].lstrip("/") for c in self.containers()
                       if c["Config"]["Labels"].get("com.docker.compose.service") == service)
+
+    def restarts(self, name: str) -> int:
+        (count,) = [c["RestartCount"] for c in self.containers() if c["Name"] == f"/{name}"]
+        return int(count)
 
     def learner(self) -> dict[str, Any]:
         (state,) = [c["State"] | {"RestartCount": c["RestartCount"]} for c in self.containers()
@@ -176,7 +183,8 @@ def stack() -> Iterator[Stack]:
 
 
 def test_scaled_stack_survives_killed_members(stack: Stack, tmp_path: Path) -> None:
-    print("building the rlbus image (minutes the first time, seconds from the cache)")
+    print("building the rlbus image (minutes the first time, seconds from the cache)",
+          flush=True)
     stack.compose("build", "topics", timeout=1500)  # every rlbus service shares its image
     stack.mark("rlbus image built")
     stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", "--scale", "inference=2")
@@ -185,11 +193,13 @@ def test_scaled_stack_survives_killed_members(stack: Stack, tmp_path: Path) -> N
     stack.wait("first training step", lambda: stack.step() >= 1, timeout=300)
     stack.wait(f"step {KILL_AT}", lambda: stack.step() >= KILL_AT, timeout=300)
     kill_one_of_each(stack)
+    reward = crash_reward(stack)
     survived = stack.step() + SURVIVORS_ALONE
     stack.wait(f"{SURVIVORS_ALONE} steps by the survivors alone",
                lambda: stack.step() >= survived, timeout=300)
+    assert stack.restarts(reward) == 1, "Docker restarts a member that crashed"
     print(host_status(stack), flush=True)
-    docker("start", *sorted(stack.killed))  # recovered: they rejoin their consumer groups
+    docker("start", *sorted(stack.killed - {reward}))  # recovered: they rejoin their groups
     stack.mark("killed containers started again")
     stack.wait("the learner to finish", lambda: stack.learner()["Status"] == "exited", 600)
     assert stack.learner()["ExitCode"] == 0
@@ -208,6 +218,16 @@ def kill_one_of_each(stack: Stack) -> None:
     # `docker kill` counts as a manual stop: restart policies leave them down
     states = {c["Name"].lstrip("/"): c["State"]["Status"] for c in stack.containers()}
     assert all(states[v] == "exited" for v in victims), states
+
+
+def crash_reward(stack: Stack) -> str:
+    """SIGKILL the service process, not the container: a crash, which Docker restarts."""
+    (name,) = stack.names("reward")
+    # PID 1 is the init process compose's `init: true` adds; the service is its only child
+    docker("exec", name, "sh", "-c", "kill -9 $(cat /proc/1/task/1/children)")
+    stack.killed.add(name)
+    stack.mark(f"reward service crashed (SIGKILL inside {name}) at step {stack.step()}")
+    return name
 
 
 def host_status(stack: Stack) -> str:
