@@ -194,6 +194,8 @@ def test_scaled_stack_survives_killed_members(stack: Stack, tmp_path: Path) -> N
           flush=True)
     stack.compose("build", "topics", timeout=1500)  # every rlbus service shares its image
     stack.mark("rlbus image built")
+    size = int(docker("image", "inspect", "-f", "{{.Size}}", "rlbus:cpu"))
+    assert size < 8e9, f"rlbus:cpu is {size / 1e9:.1f} GB: is local state in the build context?"
     stack.compose("up", "-d", "--no-build", "--scale", "rollout=2", "--scale", "inference=2")
     stack.mark("up -d returned (kafka healthy, topics and model-init done)")
     assert len(stack.names("rollout")) == len(stack.names("inference")) == 2
