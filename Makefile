@@ -65,7 +65,7 @@ test: lint jars vllm-env
 # `down -v`. A target of its own, run by .ci/run after `make test` rather than inside it: it
 # needs root and a Docker daemon, which `make test` never did, and it takes minutes on its own:
 # 11.5 min measured on a fresh machine (Docker, Compose and a 6.4 GB image built: PyPI's torch
-# is the CUDA build), 3-5 min warm. RLBUS_SKIP_DOCKER=1 skips it, saying so.
+# is the CUDA build), 2-4 min warm. RLBUS_SKIP_DOCKER=1 skips it, saying so.
 compose-test: jars
 	@if [ "$$RLBUS_SKIP_DOCKER" = 1 ]; then \
 	  echo "compose-test: RLBUS_SKIP_DOCKER=1, not installing Docker"; \
