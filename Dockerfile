@@ -2,7 +2,7 @@
 #
 # One image for every rlbus service; the command picks the service:
 #
-#   docker build -t rlbus:cpu .                       # CPU image (default target)
+#   docker build --target cpu -t rlbus:cpu .          # CPU image (also the default target)
 #   docker build --target vllm -t rlbus:vllm .        # GPU image with vLLM (inference-gpu)
 #   docker run --rm rlbus:cpu run inference           # = `rlbus run inference`
 #
@@ -10,11 +10,20 @@
 # The CPU image only needs the CPU build (~200 MB): docker-compose.yml passes
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Left empty (the default), torch comes from PyPI like every other dependency.
+#
+# BASE_IMAGE: any Debian-based image with `python` and `pip` on PATH; the default is the
+# official slim image. tests/compose/ builds one from a Debian rootfs for machines that
+# cannot reach Docker Hub (see tests/compose/offline.yml).
+#
+# Written for the classic builder too (no heredocs, no RUN --mount; the syntax line above is
+# then ignored), and it builds the stages up to --target in file order: so the vllm stage
+# comes after cpu, and building cpu never installs vLLM.
 
 ARG PYTHON_VERSION=3.11
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
 
 # ---------------------------------------------------------------------------------------------
-FROM python:${PYTHON_VERSION}-slim AS base
+FROM ${BASE_IMAGE} AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -52,16 +61,36 @@ RUN printf '%s\n' \
 
 WORKDIR /app
 
-# The project's dependencies as a requirements file, so that they are an image layer of
-# their own: editing the source does not reinstall torch.
+# ---------------------------------------------------------------------------------------------
+# The project's dependencies as requirements files, read from pyproject.toml. The images
+# copy these files, not pyproject.toml: the layers that install torch (GBs) and the rest are
+# then rebuilt only when the requirements themselves change, not on every pyproject edit.
+FROM base AS requirements
+
 COPY pyproject.toml ./
-RUN python - <<'EOF'
-import tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-open("/tmp/requirements.txt", "w").write("\n".join(project["dependencies"]) + "\n")
-open("/tmp/requirements-vllm.txt", "w").write(
-    "\n".join(project["optional-dependencies"]["vllm"]) + "\n")
-EOF
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+print(*p["dependencies"], sep="\n")' > /tmp/requirements.txt \
+    && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+print(*p["optional-dependencies"]["vllm"], sep="\n")' > /tmp/requirements-vllm.txt \
+    && grep -E '^torch($|[^a-zA-Z0-9._-])' /tmp/requirements.txt > /tmp/torch.txt
+
+# ---------------------------------------------------------------------------------------------
+# CPU image (compose's `target: cpu`, and the default target through the last stage below).
+FROM base AS cpu
+
+ARG TORCH_INDEX_URL=""
+# torch alone first: its layer survives changes to every other requirement.
+COPY --from=requirements /tmp/torch.txt /tmp/
+RUN pip install -r /tmp/torch.txt ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+COPY --from=requirements /tmp/requirements.txt /tmp/
+RUN pip install -r /tmp/requirements.txt
+COPY . .
+RUN pip install --no-deps . && rm -rf build *.egg-info
+
+USER rlbus
+# `rlbus-entrypoint` is `rlbus` with RLBUS_INSTANCE defaulted (see above).
+ENTRYPOINT ["rlbus-entrypoint"]
+CMD ["--help"]
 
 # ---------------------------------------------------------------------------------------------
 # GPU image: vLLM pins its own CUDA torch, so torch comes from PyPI together with vLLM.
@@ -71,6 +100,7 @@ FROM base AS vllm
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements-vllm.txt /tmp/
 RUN pip install -r /tmp/requirements.txt -r /tmp/requirements-vllm.txt
 COPY . .
 RUN pip install --no-deps . && rm -rf build *.egg-info
@@ -80,18 +110,6 @@ ENTRYPOINT ["rlbus-entrypoint"]
 CMD ["--help"]
 
 # ---------------------------------------------------------------------------------------------
-# CPU image (the default target: the last stage).
-FROM base AS cpu
-
-ARG TORCH_INDEX_URL=""
-RUN if [ -n "$TORCH_INDEX_URL" ]; then \
-        pip install torch --index-url "$TORCH_INDEX_URL"; \
-    fi \
-    && pip install -r /tmp/requirements.txt
-COPY . .
-RUN pip install --no-deps . && rm -rf build *.egg-info
-
-USER rlbus
-# `rlbus-entrypoint` is `rlbus` with RLBUS_INSTANCE defaulted (see above).
-ENTRYPOINT ["rlbus-entrypoint"]
-CMD ["--help"]
+# `docker build .` with no --target builds the last stage: the CPU image. (BuildKit builds
+# only what that needs; the classic builder would build vllm too, hence `--target cpu`.)
+FROM cpu AS default

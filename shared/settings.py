@@ -82,8 +82,13 @@ class TopicSettings(_Section):
     """Largest message a topic accepts; trajectories of long episodes are large."""
 
 
-LAUNCHER_VARIABLES = frozenset({"RLBUS_KAFKA_BOOTSTRAP", "RLBUS_KAFKA_CACHE", "RLBUS_HOME"})
-"""RLBUS_* variables read by the broker launcher and tests, not by any settings class."""
+LAUNCHER_VARIABLES = frozenset({
+    "RLBUS_KAFKA_BOOTSTRAP", "RLBUS_KAFKA_CACHE", "RLBUS_HOME",
+    "RLBUS_KAFKA_PORT",  # docker-compose.yml: Kafka's port on the host
+    "RLBUS_SKIP_DOCKER",  # make compose-test: skip the Docker end-to-end test, on purpose
+})
+"""RLBUS_* variables read by the broker launcher, docker compose and tests, not by any
+settings class: a shell that sets them for those still runs every rlbus command."""
 
 log = logging.getLogger(__name__)
 _REPORTED: set[tuple[str, str]] = set()  # (settings class, variable) already logged as unused

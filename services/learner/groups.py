@@ -3,8 +3,9 @@
 Trajectories of one group arrive in any order, possibly more than once (rollout is
 at-least-once: a restarted instance rolls a prompt out again under the same episode ids).
 The first copy of each episode index wins; later copies, and any copy of a group already
-trained, are dropped and counted. Deliveries are acked only once their group is trained or
-they are dropped, so the consumer's committable offsets never pass an untrained episode.
+complete or trained, are dropped and counted. Deliveries are acked only once their group is
+trained or they are dropped, so the consumer's committable offsets never pass an untrained
+episode.
 
 Complete groups are handed out oldest weights first (the version their first token was
 sampled with), and :meth:`GroupAssembler.due` names the groups whose last chance to train
@@ -61,7 +62,10 @@ class GroupAssembler:
     def add(self, d: Delivery[ScoredTrajectory]) -> list[Delivery[Any]]:
         """Take one delivery; returns deliveries that are finished with (to ack now)."""
         t = d.message.trajectory
-        if t.group_id in self.trained:
+        # A complete group waiting for its step counts as trained: a second full copy of it
+        # (two rollout members both ran its prompt across a rebalance) would otherwise
+        # assemble into a second group and train beside the first.
+        if t.group_id in self.trained or any(g.group_id == t.group_id for g in self.ready):
             self.duplicates += 1
             return [d]
         group = self.open.setdefault(t.group_id, Group(t.group_id, t.group_size))

@@ -165,6 +165,20 @@ class KafkaConsumer(Consumer[M]):
 
     async def _commit(self, offsets: dict[TP, int]) -> None:
         tps = {TopicPartition(t, p): o for (t, p), o in offsets.items()}
+        # Work of a partition a rebalance has taken away since it was fetched is the new
+        # owner's: it re-reads from the last commit, and ids let it drop what we finished.
+        # aiokafka refuses to commit it (IllegalStateError), which crashed a scaled compose
+        # member when another joined mid-batch; so it is left out, and forgotten like a
+        # revoked partition.
+        owned = self._c.assignment()
+        lost = [tp for tp in tps if tp not in owned]
+        if lost:
+            log.info("not committing %s: a rebalance gave it to another member",
+                     ", ".join(f"{tp.topic}[{tp.partition}]" for tp in lost))
+            self.tracker.forget((tp.topic, tp.partition) for tp in lost)
+            tps = {tp: o for tp, o in tps.items() if tp in owned}
+        if not tps:
+            return
         try:
             await with_timeout(self._c.commit(tps), self._timeout, "commit")
         except CommitFailedError as exc:

@@ -13,18 +13,17 @@ import asyncio
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlbus.services.ops.broker import LocalCluster
 from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import ensure_topics
+from tests.support.ledger import LedgerCheck, check_ledger, expected_episodes, load_ledger
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -64,9 +63,8 @@ class Run:
             logs = "\n".join(f"--- {p.label}\n{tail(p.log, 15)}" for p in self.procs.procs)
             raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
-    def ledger(self) -> list[str]:
-        state = torch.load(self.dir / "checkpoint" / "checkpoint.pt", weights_only=False)
-        return [episode for step in state["ledger"] for episode in step]
+    def ledger(self) -> list[list[str]]:
+        return load_ledger(self.dir / "checkpoint" / "checkpoint.pt")
 
 
 def _env(bootstrap: str, prefix: str, run_dir: Path) -> dict[str, dict[str, str]]:
@@ -134,25 +132,21 @@ def start_run(tmp_path: Path, unique_name) -> Iterator[Callable[..., Run]]:
 
 
 def assert_exactly_once(run: Run, fault: str) -> None:
-    trained = run.ledger()
-    expected = {f"run/{g}/{i}" for g in range(STEPS * GROUPS_PER_STEP) for i in range(GROUP_SIZE)}
-    duplicated = [e for e, n in Counter(trained).items() if n > 1]
-    lost = sorted(expected - set(trained))
-    _report(run, fault, len(expected), len(trained), len(lost), len(duplicated))
-    assert not duplicated, f"trained more than once: {duplicated[:5]}"
-    assert not lost, f"lost: {lost[:5]}"
-    assert set(trained) == expected
+    expected = expected_episodes("run", STEPS * GROUPS_PER_STEP, GROUP_SIZE)
+    check = check_ledger(run.ledger(), expected, GROUPS_PER_STEP * GROUP_SIZE)
+    _report(run, fault, check)
+    check.assert_exactly_once()
 
 
-def _report(run: Run, fault: str, expected: int, trained: int, lost: int, dup: int) -> None:
+def _report(run: Run, fault: str, check: LedgerCheck) -> None:
     """One line per fault for docs/reliability.md (RLBUS_FAULT_REPORT=path to collect)."""
     last = run.metrics[-1] if run.metrics else {}
     row = {
         "fault": fault,
-        "episodes_expected": expected,
-        "episodes_trained": trained,
-        "lost": lost,
-        "trained_twice": dup,
+        "episodes_expected": check.expected,
+        "episodes_trained": check.trained,
+        "lost": len(check.lost),
+        "trained_twice": len(check.duplicated),
         "redelivered_copies_dropped": last.get("duplicates_dropped", 0),
         "samples_masked": sum(int(r.get("masked") or 0) for r in run.metrics),
     }

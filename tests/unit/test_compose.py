@@ -283,3 +283,92 @@ def test_build_targets_exist_in_the_dockerfile():
     for name, service in services().items():
         if "build" in service:
             assert service["build"].get("target") in stages, name
+
+
+def test_learner_runs_the_demo_recipe():
+    """`docker compose up` trains what `rlbus demo` trains, for as many steps by default."""
+    from rlbus.services.ops.demo import DEFAULT_STEPS, RECIPE
+
+    env = environment(services()["learner"])
+    assert {k: env.get(k) for k in RECIPE} == RECIPE
+    assert env["RLBUS_MAX_STEPS"] == str(DEFAULT_STEPS)
+
+
+def test_kafka_advertises_the_host_port_it_publishes():
+    kafka = services()["kafka"]
+    (published,) = kafka["ports"]
+    host, container = published.rsplit(":", 1)
+    assert container == "29092"
+    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert f"EXTERNAL://localhost:{host}" in advertised, "a moved host port must be advertised"
+    assert interpolate(host) == "29092"
+
+
+# -- the offline override (tests/compose/offline.yml), used where Docker Hub is out of reach
+
+OFFLINE_FILE = ROOT / "tests" / "compose" / "offline.yml"
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Reads compose's `!reset` (drop this key from the merged file) as the string "!reset"."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def offline() -> dict[str, dict[str, Any]]:
+    data: dict[str, Any] = yaml.load(OFFLINE_FILE.read_text(), Loader=_ComposeLoader)
+    result: dict[str, dict[str, Any]] = data["services"]
+    return result
+
+
+def started_by_default() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in services().items() if "profiles" not in s}
+
+
+def test_offline_builds_every_rlbus_image_from_the_local_base():
+    """A service the override missed would pull python:*-slim from Docker Hub in CI."""
+    for name, service in started_by_default().items():
+        if "build" in service:
+            args = offline()[name]["build"]["args"]
+            assert args["BASE_IMAGE"].startswith("rlbus-local/python:"), name
+            assert args["TORCH_INDEX_URL"] == "", name  # the CPU index is out of reach
+
+
+def test_offline_kafka_is_the_local_image_of_the_same_version():
+    from rlbus.services.ops.broker import KAFKA_VERSION
+
+    assert offline()["kafka"]["image"] == f"rlbus-local/kafka:{KAFKA_VERSION}"
+    assert set(offline()["kafka"]) == {"image"}, "same environment and healthcheck as users get"
+
+
+def test_offline_leaves_jaeger_out_and_nothing_waits_for_it():
+    assert offline()["jaeger"]["profiles"]
+    for name, service in started_by_default().items():
+        if "jaeger" in (service.get("depends_on") or {}):
+            assert offline()[name]["depends_on"]["jaeger"] == "!reset", name
+        if environment(service).get("OTEL_TRACES_EXPORTER") == "otlp":
+            assert offline()[name]["environment"]["OTEL_TRACES_EXPORTER"] == "none", name
+
+
+def test_dockerfile_builds_with_the_classic_builder():
+    """The offline path builds with Docker's classic builder (BuildKit would fetch its
+    Dockerfile frontend from Docker Hub for the `# syntax=` line)."""
+    text = DOCKERFILE.read_text()
+    instructions = [line for line in text.splitlines() if not line.startswith("#")]
+    assert not [line for line in instructions if "<<" in line], "heredocs need BuildKit"
+    assert not [line for line in instructions if "--mount" in line], "so does RUN --mount"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M | re.I)
+    # the classic builder builds every stage before --target: cpu must not follow vllm
+    assert stages.index("cpu") < stages.index("vllm")
+    assert stages[-1] == "default" and re.search(r"^FROM cpu AS default$", text, re.M)
+
+
+def test_dockerignore_admits_only_what_the_image_needs():
+    """An exclusion list once let .venv-vllm (6 GB after `make test`) into the image."""
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    patterns = [line for line in lines if line and not line.startswith("#")]
+    assert patterns[0] == "*", "admit by name, exclude everything else"
+    admitted = {p.removeprefix("!") for p in patterns if p.startswith("!")}
+    assert admitted == {"pyproject.toml", "README.md", "shared", "services"}

@@ -63,7 +63,8 @@ def test_operator_commands_take_every_tiers_variables_silently(env, caplog):
 
 
 def test_launcher_variables_are_accepted_everywhere(env, caplog):
-    env(RLBUS_KAFKA_BOOTSTRAP="h:1", RLBUS_HOME="/tmp/x", RLBUS_KAFKA_CACHE="/tmp/y")
+    env(RLBUS_KAFKA_BOOTSTRAP="h:1", RLBUS_HOME="/tmp/x", RLBUS_KAFKA_CACHE="/tmp/y",
+        RLBUS_KAFKA_PORT="29093", RLBUS_SKIP_DOCKER="1")
     caplog.set_level(logging.INFO, logger="rlbus.settings")
     RewardSettings()
     assert unused_lines(caplog) == []

@@ -1,0 +1,40 @@
+"""The Kafka consumer's commit after a rebalance, against a stand-in for aiokafka's consumer."""
+
+from __future__ import annotations
+
+from aiokafka.errors import IllegalStateError
+from aiokafka.structs import TopicPartition
+
+from rlbus.messages import Prompt
+from rlbus.transport.kafka import KafkaConsumer
+
+
+class _AiokafkaConsumer:
+    """What aiokafka's consumer does on commit: refuse any partition it is not assigned."""
+
+    def __init__(self, *owned: TopicPartition) -> None:
+        self.owned = set(owned)
+        self.committed: dict[TopicPartition, int] = {}
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.owned)
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        for tp in offsets:
+            if tp not in self.owned:
+                raise IllegalStateError(f"Partition {tp} is not assigned")
+        self.committed.update(offsets)
+
+
+async def test_work_of_a_partition_a_rebalance_took_away_is_left_to_its_new_owner():
+    """Found by the compose end-to-end test: an inference member finished a batch from two
+    partitions after a member that joined meanwhile was given one of them; committing the
+    batch raised IllegalStateError and the member crashed."""
+    client = _AiokafkaConsumer(TopicPartition("steps", 0))
+    consumer = KafkaConsumer(client, Prompt, None, timeout_s=5)
+    for partition in (0, 1):  # fetched while both were ours
+        consumer.tracker.delivered("steps", partition, 10)
+        consumer.tracker.ack("steps", partition, 10)
+    await consumer.commit()
+    assert client.committed == {TopicPartition("steps", 0): 11}
+    assert consumer.tracker.committable() == {}  # the lost partition is forgotten, not retried
