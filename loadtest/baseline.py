@@ -34,6 +34,7 @@ class _Call:
     answer: asyncio.Future[Completion] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    sent: float = field(default_factory=time.monotonic)
 
 
 class Batcher:
@@ -53,11 +54,13 @@ class Batcher:
                           gen.finish_reason)
 
     async def serve(self) -> None:
-        """One replica's loop: first request, wait for more, one engine batch, answer all."""
+        """One replica's loop, as inference batches: the first request, what is left of
+        the batch wait since it was sent, one engine batch, answer all."""
         while True:
             batch = [await self.queue.get()]
-            if self.wait_s:
-                await asyncio.sleep(self.wait_s)
+            wait = self.wait_s - (time.monotonic() - batch[0].sent)
+            if wait > 0:
+                await asyncio.sleep(wait)
             while len(batch) < self.max_batch and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
             gens = await self.engine.generate([c.input_ids for c in batch], self.sampling)

@@ -126,10 +126,21 @@ class Inference(Service[InferenceSettings]):
 
     async def _next_batch(self) -> list[Delivery[StepRequest]]:
         batch = await self.steps.poll(0.5, self.settings.max_batch_size)
-        if batch and len(batch) < self.settings.max_batch_size and self.settings.batch_wait_ms > 0:
-            await asyncio.sleep(self.settings.batch_wait_ms / 1000)
+        wait = self._wait_for_company(batch)
+        if wait > 0:
+            await asyncio.sleep(wait)
             batch += await self.steps.poll(0.0, self.settings.max_batch_size - len(batch))
         return batch
+
+    def _wait_for_company(self, batch: list[Delivery[StepRequest]]) -> float:
+        """Seconds to wait for more requests to join ``batch``: what is left of
+        ``batch_wait_ms`` since its oldest request was sent. On an idle replica a burst
+        (a group's episodes starting together) fills one batch; on a busy one, requests that
+        queued while the engine ran have waited long enough and are served at once."""
+        if not batch or len(batch) >= self.settings.max_batch_size:
+            return 0.0
+        oldest_s = min(d.timestamp_ms for d in batch) / 1000
+        return max(0.0, self.settings.batch_wait_ms / 1000 - (time.time() - oldest_s))
 
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
         batch = await self._within_limits(batch)

@@ -44,7 +44,9 @@ class InferenceSettings(ServiceSettings):
     max_batch_size: int = Field(default=64, ge=1)
     """Most step requests in one engine batch."""
     batch_wait_ms: float = Field(default=2.0, ge=0)
-    """After the first request arrives, how long to wait for more to fill the batch."""
+    """Longest a request waits for others to fill its batch, counted from when it was sent:
+    a request that already waited that long (queued behind a running batch) is served with
+    the next batch at once."""
     version_wait_s: float = Field(default=60.0, ge=0)
     """Longest wait for the weights a request's min_version asks for before serving it
     with older ones (and counting it)."""
