@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -270,7 +269,6 @@ def end_to_end(shape: Shape, bench: Bench) -> dict[str, Any]:
     each topic and the CPU time each process spent."""
     s = scenario(shape, bench.smoke)
     run_dir = bench.out / f"e2e-{shape.tokens}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # else the learner resumes its old checkpoint
     run = run_decoupled(s, bench.bootstrap, run_dir, bench.profile, watch=bench.broker_pids)
     kafka = KafkaSettings(bootstrap=bench.bootstrap)
     traffic = asyncio.run(run_traffic(kafka, run.extra["prefix"]))

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pstats
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -209,7 +210,10 @@ def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = Fa
 
     ``extra["cpu_s"]``: CPU seconds of each process from the moment all are ready to the
     learner's exit, and of the processes in ``watch`` (label: pid; e.g. the broker) over
-    the same window. The learner is not in it: it has exited when the window closes."""
+    the same window. The learner is not in it: it has exited when the window closes.
+    ``run_dir`` is emptied first: a learner finding an earlier run's checkpoint there would
+    resume at its last step and wait for groups that never come."""
+    shutil.rmtree(run_dir, ignore_errors=True)
     partitions = max(8, s.rollout.instances, s.inference.instances)
     fleet = Fleet(run_dir, bootstrap, partitions, max(8, s.rollout.instances), profile)
     with fleet:
