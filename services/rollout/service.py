@@ -342,7 +342,8 @@ class Rollout(Service[RolloutSettings]):
             self._pending.pop(request.request_id, None)
 
     async def _read_replies(self) -> None:
-        while not self.stopping:
+        # on through the drain: the episodes it lets finish still wait for their answers
+        while not self.stopping or self._groups:
             for d in await self.replies.poll(0.5):
                 future = self._pending.get(d.message.request_id)
                 if future is None or future.done():

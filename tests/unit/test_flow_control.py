@@ -118,3 +118,39 @@ async def test_with_the_learner_stalled_the_feeder_stops_publishing(tmp_path):
     await task
     prompts = sum(len(p) for p in broker.logs[Topics(TOPICS).prompts])
     assert prompts == (1 + 0 + 1) * 2  # the credit window, then nothing
+
+
+@pytest.mark.slow
+async def test_a_stopping_rollout_finishes_its_episodes_instead_of_timing_out(tmp_path):
+    """SIGTERM: rollout stops taking prompts but keeps reading replies, so the episodes in
+    flight finish and are published within a few engine calls, not after the drain timeout
+    (it used to stop reading replies first, and every group waited out 80% of it)."""
+    from rlbus.services.inference.settings import SyntheticEngineSettings
+
+    broker = memory_broker(TOPICS)
+    bus = lambda: MemoryBus(broker)  # noqa: E731
+    learner = Learner(_learner(tmp_path, max_steps=1000, max_staleness=4), bus())
+    engine = SyntheticEngineSettings(base_ms=100, per_token_ms=0)  # 0.1 s per model call
+    rollout = Rollout(_rollout(drain_timeout_s=20), bus())
+    others = [Inference(_inference(synthetic=engine), bus()),
+              Reward(RewardSettings(topics=TOPICS), bus())]
+    tasks = [asyncio.create_task(s.run()) for s in (learner, *others)]
+    run = asyncio.create_task(rollout.run())
+    try:
+        await asyncio.sleep(1.0)
+        assert broker.logs[Topics(TOPICS).steps], "no episode in flight yet"
+        loop = asyncio.get_running_loop()
+        stopped = loop.time()
+        rollout.request_stop("test: SIGTERM")
+        await asyncio.wait_for(run, 30)
+        took = loop.time() - stopped
+    finally:
+        for s in (learner, *others):
+            s.request_stop("test over")
+        await asyncio.gather(*tasks)
+    assert took < 5, f"rollout took {took:.1f} s to stop"  # 20 s drain timeout x 0.8 before
+    assert rollout.counters.get("episodes", 0) > 0
+    assert rollout.counters.get("group_crashes", 0) == 0  # nothing was cancelled mid-group
+    published = sum(len(p) for p in broker.logs[Topics(TOPICS).trajectories])
+    committed = sum(broker.groups["fc.rollout"].committed.values())
+    assert published == committed * 2  # every group it took was finished and committed
