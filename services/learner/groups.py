@@ -30,8 +30,9 @@ class Group:
     members: dict[int, ScoredTrajectory] = field(default_factory=dict)
     deliveries: list[Delivery[Any]] = field(default_factory=list)
     started: int = -1
-    """The oldest policy version of any member back so far (-1: none back yet). A group's
-    episodes start together, so the first member back tells the version of them all."""
+    """The oldest policy version of any member back so far (-1: none back yet, or only
+    failures with no turn). A group's episodes start together, so the first member back
+    tells the version of them all; the minimum covers one that was redelivered."""
 
     @property
     def complete(self) -> bool:
@@ -77,12 +78,19 @@ class GroupAssembler:
             self.ready.append(self.open.pop(t.group_id))
         return []
 
-    def take(self, n: int) -> list[Group]:
-        """The ``n`` complete groups sampled with the oldest weights (ties: the first
-        completed), marked trained: the oldest are the nearest to going stale. A step is
-        always ``n`` groups, so the feeder's ``max_steps * groups_per_step`` groups make
-        exactly ``max_steps`` steps, masked ones included."""
-        self.ready.sort(key=lambda g: g.started)  # stable: completion order within a version
+    def take(self, n: int, last_chance: int | None = None) -> list[Group]:
+        """``n`` complete groups, marked trained: first those whose last chance to train
+        within the staleness bound is this step (sampled at ``last_chance``), then the rest
+        oldest weights first (ties: the first completed). Groups already past the bound, or
+        with no turn at all, are masked whatever step trains them: they go after the
+        last-chance ones, or they would take their places and make them stale too, and
+        before the younger ones, so they never wait long to be acked. A step is always
+        ``n`` groups, so the feeder's ``max_steps * groups_per_step`` groups make exactly
+        ``max_steps`` steps, masked ones included."""
+        def key(g: Group) -> tuple[bool, int]:
+            return (last_chance is None or g.started != last_chance, g.started)
+
+        self.ready.sort(key=key)  # stable: completion order within a version
         taken, self.ready = self.ready[:n], self.ready[n:]
         for g in taken:
             self.trained[g.group_id] = None
@@ -94,10 +102,12 @@ class GroupAssembler:
         """Incomplete groups that a step at ``version`` should wait for: sampled exactly
         ``max_staleness`` versions ago, so this step is their last chance to train within
         the bound. Only as many as the step has places left for after the complete groups
-        that are just as old."""
+        at their last chance too (:meth:`take` gives those the first places)."""
         last_chance = version - max_staleness
+        if last_chance < 0:  # no version that old: nothing can go stale yet
+            return []
         waiting = [g.group_id for g in self.open.values() if g.started == last_chance]
-        claimed = sum(g.started <= last_chance for g in self.ready)  # taken first
+        claimed = sum(g.started == last_chance for g in self.ready)
         return waiting[:max(0, n - claimed)]
 
     def trained_ids(self) -> list[str]:

@@ -12,8 +12,11 @@ committed offsets follow the checkpoint (for lag monitoring), never lead it.
 Under ``torchrun`` this service is rank 0 and the only one that reads Kafka, checkpoints and
 publishes; the other ranks train their share of each step (:mod:`.distributed`).
 
-Staleness is bounded by the feeder's credit window (:mod:`.feeder`); samples older than
-``max_staleness`` versions that still reach the learner are masked and counted.
+Staleness: the feeder's credit window (:mod:`.feeder`) bounds how far ahead groups start;
+each step trains the groups at their last chance first, then the oldest, and holds the step
+(up to ``straggler_wait_s``) for an incomplete group whose last chance it is
+(:mod:`.groups`). Samples older than ``max_staleness`` versions that still reach the
+learner are masked and counted (``masked_stale``).
 """
 
 from __future__ import annotations
@@ -202,7 +205,8 @@ class Learner(Service[LearnerSettings]):
         return False
 
     async def _train_step(self) -> None:
-        groups = self.assembler.take(self.settings.groups_per_step)
+        groups = self.assembler.take(self.settings.groups_per_step,
+                                     self.version - self.settings.max_staleness)
         held, self._held_since = self._held_since, None
         t0 = time.perf_counter()
         waited = 0.0 if held is None else time.monotonic() - held

@@ -50,16 +50,42 @@ def test_due_names_groups_whose_last_chance_is_this_step():
     a = _assembler(("g/late", 0, 1), ("g/young", 0, 2), ("g/done", 0, 2), ("g/done", 1, 2))
     assert a.due(version=3, max_staleness=2, n=1) == ["g/late"]
     assert a.due(version=4, max_staleness=2, n=2) == ["g/young"]  # g/done has the other
-    # already past saving at version 4: waiting for it cannot help
-    assert "g/late" not in a.due(version=4, max_staleness=2, n=2)
-    # nothing back yet: nothing known about its weights, so nothing to wait for
-    assert a.due(version=9, max_staleness=0, n=4) == []
+    # g/late is already past saving at version 4: waiting for it cannot help
+    assert a.due(version=4, max_staleness=2, n=1) == []  # g/done has the only place
+    t = trajectory("g/unseen", 0).model_copy(update={"turns": [], "status": "failed"})
+    failed = ScoredTrajectory(trajectory=t, reward=0.0, verifier="x")  # back, no turn;
+    a.add(Delivery("t", 0, 1, None, failed, [], 0))  # the other member is still out
+    assert a.open["g/unseen"].started == -1  # nothing known of its weights
+    assert "g/unseen" not in a.due(version=1, max_staleness=2, n=4)
+    assert "g/unseen" not in a.due(version=2, max_staleness=3, n=4)
 
 
 def test_due_leaves_out_groups_the_step_has_no_place_for():
     a = _assembler(("g/late", 0, 1), ("g/full", 0, 1), ("g/full", 1, 1))
     assert a.due(version=3, max_staleness=2, n=1) == []  # g/full takes the one place
     assert a.due(version=3, max_staleness=2, n=2) == ["g/late"]
+
+
+def test_a_group_past_saving_does_not_take_a_last_chance_groups_place():
+    """g/lost (v0) is masked whatever step trains it; g/last (v1) can still train now.
+    Oldest-first would train g/lost and let g/last go stale as well."""
+    a = _assembler(("g/lost", 0, 0), ("g/lost", 1, 0), ("g/last", 0, 1), ("g/last", 1, 1),
+                   ("g/young", 0, 2), ("g/young", 1, 2))
+    assert a.due(version=3, max_staleness=2, n=1) == []  # g/last is complete: no wait
+    assert [g.group_id for g in a.take(1, last_chance=1)] == ["g/last"]
+    a.add(_delivery("g/last2", 0, 2))  # complete later: it has to wait for its place
+    a.add(_delivery("g/last2", 1, 2))
+    a.add(_delivery("g/newer", 0, 3))
+    a.add(_delivery("g/newer", 1, 3))
+    # the lost one goes right after the last-chance ones, ahead of younger groups, so its
+    # offsets are not held back for long
+    assert [g.group_id for g in a.take(3, last_chance=2)] == ["g/young", "g/last2", "g/lost"]
+    assert [g.group_id for g in a.ready] == ["g/newer"]
+
+
+def test_past_saving_groups_do_not_count_against_the_places_of_due_ones():
+    a = _assembler(("g/lost", 0, 0), ("g/lost", 1, 0), ("g/late", 0, 1))
+    assert a.due(version=3, max_staleness=2, n=1) == ["g/late"]
 
 
 async def _run(tmp_path: Path, wait_s: float) -> list[dict[str, Any]]:
