@@ -140,7 +140,10 @@ class Inference(Service[InferenceSettings]):
         if not batch or len(batch) >= self.settings.max_batch_size:
             return 0.0
         oldest_s = min(d.timestamp_ms for d in batch) / 1000
-        return max(0.0, self.settings.batch_wait_ms / 1000 - (time.time() - oldest_s))
+        limit = self.settings.batch_wait_ms / 1000
+        # The timestamp is the sender's clock (or the broker's): one ahead of ours must not
+        # make the wait longer than batch_wait_ms, one behind only makes it shorter.
+        return min(limit, max(0.0, limit - (time.time() - oldest_s)))
 
     async def _serve(self, batch: list[Delivery[StepRequest]]) -> None:
         batch = await self._within_limits(batch)
@@ -271,7 +274,11 @@ class Inference(Service[InferenceSettings]):
 
     async def drain(self) -> None:
         if self._unsettled:  # replies handed to the producer: acked once the broker has them
-            await asyncio.wait(list(self._unsettled), timeout=self.settings.drain_timeout_s / 2)
+            _, late = await asyncio.wait(list(self._unsettled),
+                                         timeout=self.settings.drain_timeout_s / 2)
+            for task in late:  # unacked: their requests are redelivered and answered again
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if hasattr(self, "steps"):
             await self.steps.commit()
         if self.engine is not None:

@@ -35,3 +35,8 @@ def test_a_request_that_queued_behind_a_running_batch_is_served_at_once():
 def test_a_full_batch_is_served_at_once():
     inference = _inference(max_batch_size=2)
     assert inference._wait_for_company([_request(0.0), _request(0.0)]) == 0.0
+
+
+def test_a_sender_clock_ahead_of_ours_never_stretches_the_wait():
+    # sent "in the future" by 50 ms: another host's clock, or the broker's
+    assert _inference()._wait_for_company([_request(-0.05)]) == pytest.approx(0.020)
