@@ -128,6 +128,8 @@ class Producer(ABC):
 
     service: str = ""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    closed: bool = False
+    """Set by ``close``."""
 
     @abstractmethod
     async def send_raw(
@@ -188,6 +190,8 @@ class Consumer(ABC, Generic[M]):
     def __init__(self, message_type: type[M], dlq: DeadLetterSink | None) -> None:
         self.message_type = message_type
         self.dlq = dlq
+        self.closed = False
+        """Set by ``close``."""
         self.group: str | None = None
         self.service = ""
         self.tracker = OffsetTracker()
@@ -196,7 +200,9 @@ class Consumer(ABC, Generic[M]):
     async def _fetch(self, timeout_s: float, max_records: int) -> list[RawRecord]: ...
 
     @abstractmethod
-    async def _commit(self, offsets: dict[TP, int]) -> None: ...
+    async def _commit(self, offsets: dict[TP, int]) -> dict[TP, int]:
+        """Commit ``offsets``; returns those the broker took (a partition a rebalance took
+        away, or a commit the group refused, is left out)."""
 
     @abstractmethod
     def assignment(self) -> list[TP]: ...
@@ -295,10 +301,11 @@ class Consumer(ABC, Generic[M]):
     async def commit(self) -> dict[TP, int]:
         """Commit what is acked; returns the offsets committed (empty if nothing moved)."""
         offsets = self.tracker.committable()
-        if offsets:
-            await self._commit(offsets)
-            self.tracker.committed(offsets)
-        return offsets
+        if not offsets:
+            return {}
+        done = await self._commit(offsets)
+        self.tracker.committed(done)
+        return done
 
     async def iterate(self, timeout_s: float = 1.0) -> AsyncIterator[Delivery[M]]:
         while True:

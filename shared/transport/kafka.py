@@ -135,6 +135,7 @@ class KafkaProducer(Producer):
         )
 
     async def close(self) -> None:
+        self.closed = True
         try:
             await with_timeout(self._p.stop(), self._timeout, "producer stop")
         except BrokerTimeout:
@@ -163,7 +164,7 @@ class KafkaConsumer(Consumer[M]):
             for r in records
         ]
 
-    async def _commit(self, offsets: dict[TP, int]) -> None:
+    async def _commit(self, offsets: dict[TP, int]) -> dict[TP, int]:
         tps = {TopicPartition(t, p): o for (t, p), o in offsets.items()}
         # Work of a partition a rebalance has taken away since it was fetched is the new
         # owner's: it re-reads from the last commit, and ids let it drop what we finished.
@@ -178,13 +179,15 @@ class KafkaConsumer(Consumer[M]):
             self.tracker.forget((tp.topic, tp.partition) for tp in lost)
             tps = {tp: o for tp, o in tps.items() if tp in owned}
         if not tps:
-            return
+            return {}
         try:
             await with_timeout(self._c.commit(tps), self._timeout, "commit")
         except CommitFailedError as exc:
             # The group rebalanced under us; the new owner re-reads from the last commit,
             # and ids let it drop what we already finished.
             log.warning("commit lost to a rebalance (%s); work will be redelivered", exc)
+            return {}
+        return {(tp.topic, tp.partition): o for tp, o in tps.items()}
 
     def assignment(self) -> list[TP]:
         return sorted((tp.topic, tp.partition) for tp in self._c.assignment())
@@ -219,6 +222,7 @@ class KafkaConsumer(Consumer[M]):
         }
 
     async def close(self) -> None:
+        self.closed = True
         try:
             await with_timeout(self._c.stop(), self._timeout, "consumer stop")
         except BrokerTimeout:
@@ -271,7 +275,7 @@ class KafkaBus(Bus):
         await start_client(p, self.kafka, "producer connect")
         prod = KafkaProducer(p, self.kafka.request_timeout_s)
         prod.service, prod.max_message_bytes = self.service, self.max_message_bytes
-        self._clients.append(prod)
+        self._keep(prod)
         return prod
 
     async def consumer(
@@ -307,7 +311,7 @@ class KafkaBus(Bus):
             c.subscribe(topics, listener=listener)
         await start_client(c, self.kafka, "consumer connect")
         track(consumer)
-        self._clients.append(consumer)
+        self._keep(consumer)
         if assign is not None and on_assign is not None:
             await on_assign(consumer, sorted(assign))
         return consumer
@@ -321,7 +325,14 @@ class KafkaBus(Bus):
             raise LookupError(f"no topic {topic!r} on {self.kafka.bootstrap}")
         return sorted(p["partition"] for p in described[0]["partitions"])
 
+    def _keep(self, client: Producer | Consumer[Any]) -> None:
+        """Remembered to close with the bus; those closed already are let go (a long-lived
+        ``rlbus status`` opens and closes readers every sample)."""
+        self._clients = [c for c in self._clients if not c.closed]
+        self._clients.append(client)
+
     async def close(self) -> None:
         for client in reversed(self._clients):
-            await client.close()
+            if not client.closed:
+                await client.close()
         self._clients.clear()

@@ -136,7 +136,7 @@ class MemoryProducer(Producer):
         self._txn_offsets.append((dict(offsets), group_id))
 
     async def close(self) -> None:
-        return None
+        self.closed = True
 
 
 class MemoryConsumer(Consumer[M]):
@@ -197,10 +197,11 @@ class MemoryConsumer(Consumer[M]):
             out.extend(chunk)
         return out
 
-    async def _commit(self, offsets: dict[TP, int]) -> None:
+    async def _commit(self, offsets: dict[TP, int]) -> dict[TP, int]:
         if self.group_id is None:
             raise RuntimeError("commit needs a group_id")
         self.broker.groups[self.group_id].committed.update(offsets)
+        return offsets
 
     def assignment(self) -> list[TP]:
         return list(self._assigned)
@@ -225,6 +226,7 @@ class MemoryConsumer(Consumer[M]):
         return out
 
     async def close(self) -> None:
+        self.closed = True
         if self.group_id is not None:
             group = self.broker.groups[self.group_id]
             if self in group.members:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aiokafka.errors import IllegalStateError
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import TopicPartition
 
 from rlbus.messages import Prompt
@@ -35,6 +35,24 @@ async def test_work_of_a_partition_a_rebalance_took_away_is_left_to_its_new_owne
     for partition in (0, 1):  # fetched while both were ours
         consumer.tracker.delivered("steps", partition, 10)
         consumer.tracker.ack("steps", partition, 10)
-    await consumer.commit()
+    assert await consumer.commit() == {("steps", 0): 11}  # only what the broker took
     assert client.committed == {TopicPartition("steps", 0): 11}
     assert consumer.tracker.committable() == {}  # the lost partition is forgotten, not retried
+    # if the partition comes back, its commits start from what it delivers then, not
+    # from a mark of an offset that was never committed
+    client.owned.add(TopicPartition("steps", 1))
+    consumer.tracker.delivered("steps", 1, 4)
+    consumer.tracker.ack("steps", 1, 4)
+    assert await consumer.commit() == {("steps", 1): 5}
+
+
+async def test_a_commit_the_group_refused_is_not_recorded_as_made():
+    class _Refusing(_AiokafkaConsumer):
+        async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+            raise CommitFailedError("the group rebalanced")
+
+    consumer = KafkaConsumer(_Refusing(TopicPartition("steps", 0)), Prompt, None, timeout_s=5)
+    consumer.tracker.delivered("steps", 0, 3)
+    consumer.tracker.ack("steps", 0, 3)
+    assert await consumer.commit() == {}
+    assert consumer.tracker.committable() == {("steps", 0): 4}  # still to commit
