@@ -59,7 +59,9 @@ def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     try:
         import uvloop
-    except ImportError:  # not built for this platform (Windows): asyncio's own loop
+    except ImportError:  # not built for this platform (Windows), or not installed
+        logging.getLogger(__name__).warning(
+            "RLBUS_EVENT_LOOP=uvloop but uvloop is not installed; using asyncio's loop")
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory

@@ -71,12 +71,14 @@ class Progress:
         self._printed = len(rows)
 
     def _line(self, r: dict[str, Any]) -> str:
+        if "eval_at_step" in r:  # an evaluation row has no training figures of its own
+            return (f"eval at step {r['eval_at_step']:>4}/{self.total}  greedy success "
+                    f"{r['eval_success']:.3f} on the fixed eval set  t={r['time']:.0f}s")
         return (
             f"step {r['step']:>4}/{self.total}  reward {_fmt(r.get('reward_mean'))}  "
             f"success {_fmt(r.get('success_rate'))}  staleness<={r.get('staleness_max')}  "
             f"masked {int(r.get('masked') or 0)}  "
             f"loss {_fmt(r.get('loss'))}  t={r['time']:.0f}s"
-            + (f"  eval@{r['eval_at_step']} {r['eval_success']:.3f}" if "eval_at_step" in r else "")
         )
 
     def _table(self, rows: list[dict[str, Any]]) -> Any:

@@ -160,7 +160,11 @@ def _short(name: str, prefix: str) -> str:
 
 
 def _rate(before: int | None, now: int, dt: float) -> str:
-    return "-" if before is None or dt <= 0 else f"{(now - before) / dt:.1f}"
+    """Per second between two samples; "-" with nothing to compare, or when the count went
+    back (a learner resumed from an older checkpoint, a topic recreated)."""
+    if before is None or dt <= 0 or now < before:
+        return "-"
+    return f"{(now - before) / dt:.1f}"
 
 
 async def status_command(
