@@ -542,7 +542,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="rounds per weight size")
     p.add_argument("--profile", action="store_true",
                    help="end-to-end service processes under cProfile (slower; hot spots)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats: at least one round per size, not {args.repeats}")
+    return args
 
 
 def _terminate(signum: int, _frame: Any) -> None:

@@ -195,6 +195,7 @@ def learner_env(s: Scenario, run_dir: Path) -> dict[str, str]:
         "RLBUS_GROUPS_PER_STEP": str(s.groups_per_step),
         "RLBUS_MAX_STEPS": str(s.steps),
         "RLBUS_MAX_STALENESS": str(s.max_staleness),
+        "RLBUS_STRAGGLER_WAIT_S": str(s.straggler_wait_s),
         "RLBUS_MAX_NEW_TOKENS": str(s.max_new_tokens),
         "RLBUS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
         "RLBUS_WEIGHTS_DIR": str(run_dir / "weights"),

@@ -75,6 +75,8 @@ class Scenario(_Section):
     cooldown_steps: int | None = Field(default=None, ge=0)
     """Steps left out at the end (the rollout tier running dry); default max_staleness + 1."""
     max_staleness: int = Field(default=2, ge=0)
+    straggler_wait_s: float = Field(default=60.0, ge=0)
+    """How long the learner holds a step for a group about to go stale (0: mask it)."""
     learner_step_s: float = Field(default=0.5, ge=0)
     max_new_tokens: int = Field(default=8, ge=1)
     env: dict[str, Any] = {}

@@ -13,8 +13,9 @@
 #      rlbus-local/kafka:4.4.0       + Java 17 and the Maven jars `rlbus broker` runs
 #      (tests/compose/offline.yml selects them). The rlbus image itself is built by compose.
 #
-# Needs root (apt-get, dockerd). Idempotent: what exists is reused, so a second run only
-# checks (Docker's layer cache makes the image builds no-ops). Prints the Compose command
+# Needs root (apt-get, dockerd). Idempotent: docker.io, dockerd, Compose and the Debian
+# rootfs are reused when present; the Python and Kafka images are rebuilt every run (Maven
+# copies the jars again from its cache), which Docker's layer cache makes quick. Prints the Compose command
 # and nothing else on stdout, for callers: `compose=$(bash scripts/compose_env.sh)`.
 # Env: COMPOSE_VERSION, DEBIAN_MIRROR (default: the mirror apt on this machine uses).
 set -euo pipefail
