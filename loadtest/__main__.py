@@ -15,9 +15,7 @@ side by side within one run: the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +48,9 @@ def run_part(part: str, args: argparse.Namespace, bootstrap: str, out: Path) -> 
     return suite.scaling(s, bootstrap, out, args.profile)
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop processes
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = (args.out or Path("runs") / time.strftime("loadtest-%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _terminate)
+    out = report.output_folder(args.out, "loadtest")
     from rlbus.services.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "out": str(out)}

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from loadtest import report
 from rlbus.codec import decode, encode
 from rlbus.messages import DeadLetter, Prompt, Trajectory
 from rlbus.services.ops.broker import LocalCluster
@@ -319,10 +320,6 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop processes
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.chaos",
                                 description=__doc__.split("\n")[0])
@@ -335,9 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.groups = args.groups or max(4, int(args.minutes * 30)) // 2 * 2
-    args.out = (args.out or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")).resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _terminate)
+    args.out = report.output_folder(args.out, "chaos")
     say("starting a 3-node Kafka cluster")
     cluster = LocalCluster(nodes=3).start(timeout=120)
     try:

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -548,10 +547,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop processes
-
-
 def run_part(part: str, args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     if part == "trajectories":
         result = trajectories(SMOKE_SHAPES if args.smoke else SHAPES, bench)
@@ -565,9 +560,7 @@ def run_part(part: str, args: argparse.Namespace, bench: Bench) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = (args.out or Path("runs") / time.strftime("cost-%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _terminate)
+    out = report.output_folder(args.out, "cost")
     from rlbus.services.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:],

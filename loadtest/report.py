@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,19 @@ def _by_cause(masked: dict[str, int]) -> str:
 
 
 # --------------------------------------------------------------------------- files
+
+
+def output_folder(out: Path | None, stem: str) -> Path:
+    """The run's folder (default ``runs/<stem>-<time>``), made; and SIGTERM made to unwind
+    like Ctrl-C, through the ``finally`` blocks that stop the broker and every process."""
+    folder = (out or Path("runs") / time.strftime(f"{stem}-%Y%m%d-%H%M%S")).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _terminate)
+    return folder
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def machine() -> dict[str, Any]:

@@ -18,9 +18,7 @@ broker unless ``RLBUS_KAFKA_BOOTSTRAP`` names one.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +112,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally that stops the broker
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    out = (args.out or Path("runs") / time.strftime("sweep-%Y%m%d-%H%M%S")).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _terminate)
+    out = report.output_folder(args.out, "sweep")
     from rlbus.services.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "runs": []}
