@@ -57,7 +57,7 @@ def comparison_table(c: dict[str, Any]) -> str:
         f"comparison on scenario {c['scenario']!r} (samples that trained, and per second; "
         "steady state = warm-up and drain steps left out)",
         table(["arm", "trained", "masked " + "/".join(MASK_CAUSES), "steady/s", "overall/s",
-                "learner busy", "stale max", "wall s"], rows),
+               "learner busy", "stale max", "wall s"], rows),
         f"ratio decoupled/synchronous: {_f(c['ratio'] or 0)}x",
         f"ideal bound: {_f(b['ideal_samples_per_s'])} samples/s ({b['bottleneck']}-bound; "
         f"capacities: {caps}; the distribution's mean gives "
