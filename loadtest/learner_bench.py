@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlbus.services.ops.launcher import die_with_parent
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "naive": {},
     "micro": {"micro_batch_tokens": 2048},
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 [sys.executable, "-m", "loadtest.learner_bench", "--child", variant,
                  "--model", str(folder), "--steps", str(a.steps),
                  *(["--threads", str(a.threads)] if a.threads else [])],
-                capture_output=True, text=True)
+                capture_output=True, text=True, preexec_fn=die_with_parent())
             if done.returncode != 0:
                 print(f"{variant}: failed\n{done.stderr[-2000:]}", flush=True)
                 continue

@@ -207,7 +207,7 @@ def demo_command(args: argparse.Namespace) -> int:
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
     # the learner checkpoints, the broker stops. Had we died instead, the services and the
-    # broker would still get their parent-death SIGTERM (launcher.die_with_parent).
+    # broker would still be SIGKILLed by their parent-death signal (launcher.die_with_parent).
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         env = demo.prepare()

@@ -4,8 +4,8 @@ and the fault tests.
 Each process is ``python -m rlbus.services.<name>`` in its own session (Ctrl-C reaches only the
 launcher, which stops them in order), with the environment of :func:`child_env` plus exactly
 the RLBUS_* variables it is given, and its output appended to ``<log_dir>/<name>-<i>.log``.
-On Linux a child also gets SIGTERM when the launcher dies, even by SIGKILL, so no run leaves
-orphans behind.
+On Linux a child is also SIGKILLed when the launcher dies, however it dies, so no run leaves
+orphans behind (:func:`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,20 +37,39 @@ def child_env(extra: dict[str, str] | None = None,
     return {**env, **(extra or {})}
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """``preexec_fn``: the child gets SIGTERM when the thread that started it dies (Linux's
-    parent-death signal; a no-op elsewhere)."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn`` that binds the child's life to ours: Linux's parent-death signal
+    SIGKILLs it when the thread that starts it dies (a no-op elsewhere).
+
+    SIGKILL, not SIGTERM: a parent that dies without stopping its children (SIGKILL, a crash)
+    has abandoned the run, and a drain would only wait on peers that are dying too (a rollout
+    waited its whole ``drain_timeout_s`` for replies from a dead inference member). Every
+    tier's contract already holds under SIGKILL of any member; a broker's data survives it.
+
+    The signal is armed in the child between fork and exec, so a parent killed before that
+    would leave a child that never gets it; the child therefore checks that its parent is
+    still the process that forked it and kills itself if not (it was adopted by init or a
+    subreaper in the meantime).
+    """
+    parent = os.getpid()
+
+    def arm() -> None:  # pragma: no cover - runs in the child between fork and exec
+        if _LIBC is None:
+            return
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
 
 
 def spawn_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``argv`` in a session of its own, output appended to ``log``, SIGTERM on our death."""
+    """``argv`` in a session of its own, output appended to ``log``, SIGKILL on our death."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         return subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
         )
 
 

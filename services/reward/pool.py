@@ -90,7 +90,7 @@ class _Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlbus.services.reward.pool", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env, start_new_session=True,
-            preexec_fn=die_with_parent)
+            preexec_fn=die_with_parent())
         child.close()
         self.conn = Connection(parent.detach())
 

@@ -1,6 +1,7 @@
 """Whatever kills `rlbus demo`, a load test or pytest, nothing it started outlives it: not
 the broker JVM, not a service. SIGINT and SIGTERM stop the demo's run in order; SIGKILL
-leaves it no say, and the parent-death signal (launcher.die_with_parent) stops the rest."""
+leaves it no say, and the parent-death signal (launcher.die_with_parent) kills the rest,
+including a child that is still starting at that moment."""
 
 from __future__ import annotations
 
@@ -14,42 +15,14 @@ from pathlib import Path
 import pytest
 
 from rlbus.services.ops.launcher import child_env
+from tests.support.processes import alive, cmdline, descendants, wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 15.0
-"""What "no more than a few seconds" is allowed to be here: a service's drain when idle, a
-JVM's shutdown, and reaping by this machine's init (about 1.6 s)."""
-
-
-def _table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state letter) of every process."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(name)] = (int(fields[1]), fields[0])
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    table = _table()
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, (ppid, _) in table.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    table = _table()
-    return {p for p in pids if p in table and table[p][1] != "Z"}
+"""What "no more than a few seconds" is allowed to be here, on a loaded machine: a service's
+drain when idle, a JVM's shutdown, and reaping by this machine's init (about 1.6 s)."""
 
 
 def _start(argv: list[str], ready: str, log: Path, timeout: float = 180) -> subprocess.Popen:
@@ -67,26 +40,19 @@ def _start(argv: list[str], ready: str, log: Path, timeout: float = 180) -> subp
 def _kill_and_check(proc: subprocess.Popen, sig: signal.Signals, log: Path,
                     expect_jvm: bool = True) -> None:
     tree = descendants(proc.pid)
-    jvms = {p for p in tree if "kafka.Kafka" in _cmdline(p)}
+    jvms = {p for p in tree if "kafka.Kafka" in cmdline(p)}
     assert not expect_jvm or jvms, f"no broker JVM among {tree}"
     proc.send_signal(sig)
     proc.wait(timeout=120)
     deadline = time.monotonic() + GRACE_S
     while alive(tree):
         if time.monotonic() > deadline:
-            left = {p: _cmdline(p)[:120] for p in alive(tree)}
+            left = {p: cmdline(p)[:120] for p in alive(tree)}
             for p in left:  # do not leave them for the next test either
                 os.kill(p, signal.SIGKILL)
             raise AssertionError(f"outlived {sig.name} by {GRACE_S}s: {left}\n"
                                  f"{log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.2)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
@@ -95,7 +61,9 @@ def test_the_demo_leaves_nothing_behind(sig, tmp_path):
     log = tmp_path / "demo.log"
     proc = _start([sys.executable, "-m", "rlbus.services.ops.cli", "demo", "--steps", "500",
                    "--no-progress", "--run-dir", str(tmp_path / "run")], "launched", log)
-    time.sleep(3)  # the services are importing torch, connecting: mid-start is the worst case
+    # Killed at once: the services were forked a moment ago and are importing torch or
+    # connecting: mid-start is the worst case. (A child still between fork and exec when its
+    # parent dies: tests/unit/test_launcher.py.)
     _kill_and_check(proc, sig, log)
 
 
@@ -125,5 +93,8 @@ def test_a_killed_load_test_leaves_nothing_behind(tmp_path):
     log = tmp_path / "loadtest.log"
     proc = _start([sys.executable, "-m", "loadtest", "--smoke", "--out", str(tmp_path / "lt")],
                   "decoupled arm", log, timeout=120)
-    time.sleep(5)  # its fleet of services is up and running episodes
+    logs = tmp_path / "lt"
+    wait_until(lambda: any("reads replies on partition" in p.read_text(errors="replace")
+                           for p in logs.rglob("rollout-*.log")) or proc.poll() is not None,
+               120, "the load test's rollout subscribed (its fleet running episodes)")
     _kill_and_check(proc, signal.SIGKILL, log)

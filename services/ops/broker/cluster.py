@@ -287,7 +287,7 @@ class LocalCluster:
         client_options: Mapping[str, Any] | None = None,
         die_with_parent: bool = True,
     ) -> None:
-        """``die_with_parent``: the nodes get SIGTERM when the thread that started them
+        """``die_with_parent``: the nodes are SIGKILLed when the thread that started them
         dies, however it dies (SIGKILL included), so a killed demo, load test or pytest leaves
         no JVM behind; False only for ``rlbus broker start``, whose broker outlives it."""
         if nodes not in (1, 3):
@@ -464,7 +464,7 @@ class LocalCluster:
         cmd += ["-t", self.cluster_id, "-c", str(node.config), *self.format_args]
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True, preexec_fn=die_with_parent,
+            text=True, preexec_fn=die_with_parent(),
         )  # fmt: skip
 
     def _launch(self, node: _Node) -> None:
@@ -475,7 +475,7 @@ class LocalCluster:
             node.proc = subprocess.Popen(
                 cmd, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent if self.die_with_parent else None,
+                preexec_fn=die_with_parent() if self.die_with_parent else None,
             )  # fmt: skip
 
     def _wait_ready(self, deadline: float) -> None:

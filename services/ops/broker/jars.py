@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlbus.services.ops.launcher import die_with_parent
+
 log = logging.getLogger(__name__)
 
 KAFKA_VERSION = "4.4.0"
@@ -86,7 +88,8 @@ def _run_mvn(out: Path, version: str) -> None:
     ]  # fmt: skip
     log.info("resolving Kafka %s jars with Maven into %s (first run only)", version, out)
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          preexec_fn=die_with_parent())  # no Maven JVM outlives us
     if proc.returncode != 0:
         tail = tail_text(proc.stdout + proc.stderr, 30)
         raise BrokerError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
