@@ -466,10 +466,16 @@ def _candidates() -> Iterator[Isolation]:
             yield Isolation(python, base, net)
 
 
+_TRIAL_TIMEOUT_S = 60.0
+"""Wall timeout of a trial run. A candidate that cannot work fails at once (bwrap refuses);
+only a loaded host makes a working one slow, and a trial cut short there would settle the
+process on weaker isolation, or none, for good."""
+
+
 def _trial(iso: Isolation) -> str | None:
     """Why a trial run under ``iso`` fails (bwrap's own message, typically); None: it works."""
     try:
-        result = run_python("import math, json", timeout_s=10, isolation=iso)
+        result = run_python("import math, json", timeout_s=_TRIAL_TIMEOUT_S, isolation=iso)
     except SandboxError as exc:
         return str(exc)
     return None if result.ok else (result.stderr.strip() or f"exit status {result.returncode}")
