@@ -49,6 +49,9 @@ class Service(ABC, Generic[S]):
         self._last_input = time.monotonic()
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._started = time.monotonic()
+        # Set once setup is done and the main loop starts ("ready" in the log): what a test or
+        # an embedding program waits on instead of sleeping for a service to come up.
+        self.ready = asyncio.Event()
 
     # -- what subclasses provide
 
@@ -134,6 +137,7 @@ class Service(ABC, Generic[S]):
         try:
             await self.setup()
             log.info("%s ready", self.member)
+            self.ready.set()
             self.spawn("idle-watch", self._watch_idle())
             self.spawn("loop-lag", self._watch_loop_lag())
             main = asyncio.create_task(self.main(), name=f"{self.member}:main")

@@ -161,6 +161,7 @@ class Rollout(Service[RolloutSettings]):
         while not self.stopping:
             room = self.settings.max_groups_in_flight - len(self._groups)
             if room <= 0:
+                self.bump("group_bound_waits")  # saturated: no prompt is taken meanwhile
                 await asyncio.wait(self._groups, timeout=1.0, return_when="FIRST_COMPLETED")
             else:
                 for d in await self.prompts.poll(0.5, room):
