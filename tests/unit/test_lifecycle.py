@@ -8,6 +8,7 @@ from rlbus.settings import TopicSettings
 from rlbus.topics import Topics, memory_broker
 from rlbus.transport import MemoryBus
 from tests import factories
+from tests.polling import wait_until
 
 TOPICS = TopicSettings(prefix="lc", partitions=1)
 
@@ -16,7 +17,7 @@ async def test_until_idle_stops_a_quiet_service():
     reward = Reward(
         RewardSettings(topics=TOPICS, until_idle_s=0.3), MemoryBus(memory_broker(TOPICS))
     )
-    summary = await asyncio.wait_for(reward.run(), 10)
+    summary = await asyncio.wait_for(reward.run(), 30)
     assert "idle" in summary["stop_reason"]
 
 
@@ -26,7 +27,7 @@ async def test_max_messages_stops_after_that_many():
     for i in range(5):
         await producer.send(Topics(TOPICS).trajectories, factories.trajectory(f"g{i}"))
     reward = Reward(RewardSettings(topics=TOPICS, max_messages=2, batch_size=1), MemoryBus(broker))
-    summary = await asyncio.wait_for(reward.run(), 10)
+    summary = await asyncio.wait_for(reward.run(), 30)
     assert summary["handled"] == 2 and "max_messages" in summary["stop_reason"]
     # what was handled is committed; the rest stays for the next member
     assert broker.groups["lc.reward"].committed[(Topics(TOPICS).trajectories, 0)] == 2
@@ -39,9 +40,10 @@ async def test_a_crashed_background_task_stops_the_service_instead_of_vanishing(
         raise RuntimeError("watcher died")
 
     run = asyncio.create_task(reward.run())
-    await asyncio.sleep(0.2)
-    reward.spawn("boom", boom())
-    summary = await asyncio.wait_for(run, 10)
+    await wait_until(lambda: reward.ready.is_set() or run.done(), "the service is up")
+    assert not run.done(), run.result()
+    reward.spawn("boom", boom())  # crashes while the service runs
+    summary = await asyncio.wait_for(run, 30)
     assert "watcher died" in summary["stop_reason"]
 
 
