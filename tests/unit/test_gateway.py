@@ -15,6 +15,7 @@ from rlbus.api import Generation
 from rlbus.messages import Sampling
 from rlbus.services.learner.chat_model import build_chat_model
 from rlbus.services.rollout.gateway import Gateway, parse_tool_calls
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -202,10 +203,7 @@ async def test_a_client_that_disconnects_mid_call_fails_its_episode(gateway, tok
         with pytest.raises(openai.APITimeoutError):
             await client.chat.completions.create(model="policy",
                                                  messages=[{"role": "user", "content": "hi"}])
-        for _ in range(40):
-            if policy.cancelled:
-                break
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: policy.cancelled, "the generation is cancelled")
         assert policy.cancelled == 1  # the generation was cancelled, not left running
         assert s.failed == "the client disconnected mid-call" and not s.turns
 

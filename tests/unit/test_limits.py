@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import resource
-import time
 
 import pytest
 
@@ -70,10 +69,8 @@ async def test_a_poison_prompt_is_dead_lettered_before_any_allocation(caplog):
     inference = Inference(InferenceSettings(topics=TOPICS, engine="synthetic"),
                           MemoryBus(broker))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.monotonic()
-    await run_until([rollout, inference],
+    await run_until([rollout, inference],  # its deadline is the safety net
                     lambda: len(read_log(broker, T.trajectories, Trajectory)) == 4)
-    assert time.monotonic() - started < 10
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grown_mb < 200  # 10^9 episodes were never started
     (letter,) = read_log(broker, T.dlq, DeadLetter)
