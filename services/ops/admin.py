@@ -98,7 +98,7 @@ async def inspect_command(args: argparse.Namespace) -> int:
             found = await inspection.gather_episode(bus, topics, args.episode_id)
             if args.json:
                 for d in found.rows:
-                    print(json.dumps(inspection.as_json(*d)))
+                    print(json.dumps(inspection.as_json(*d, topics=topics)))
             else:
                 inspection.render_episode(found, sys.stdout.write)
             return 0 if found.rows else 1
@@ -108,7 +108,8 @@ async def inspect_command(args: argparse.Namespace) -> int:
         )
         match = inspection.Filter(key=args.key, episode=args.episode, group=args.group)
         n = await inspection.replay(
-            bus, topics, args.topic, start, match, to=args.to, limit=args.limit
+            bus, topics, args.topic, start, match, to=args.to, limit=args.limit,
+            raw_bytes=args.raw,
         )
         if args.to:
             print(f"re-published {n} record(s) to {args.to}", file=sys.stderr)

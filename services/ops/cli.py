@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--group", help="only messages of this group id")
     replay.add_argument("--limit", type=int, help="at most this many messages")
     replay.add_argument("--to", help="re-publish the matching records (bytes, key, headers)")
+    replay.add_argument(
+        "--raw", action="store_true",
+        help="dead letters: key and payload as base64, as stored (default: decoded)",
+    )  # fmt: skip
 
     st = sub.add_parser("status", help="live lag and throughput per topic and consumer group")
     st.add_argument(

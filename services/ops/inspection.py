@@ -2,8 +2,10 @@
 
 Both read with a group-less consumer (they never move any tier's committed offsets), so they
 are safe to run against a live run. Neither trusts what it reads: a record that does not
-decode (garbage bytes, msgpack that fails the schema, a dead letter's raw payload) is shown
-as base64 of its bytes next to the decode error, never as a traceback.
+decode (garbage bytes, msgpack that fails the schema) is shown as base64 of its bytes next to
+the decode error, never as a traceback. A dead letter's key and payload are shown as what they
+hold: a UTF-8 key as text, a payload as the message its source topic carries, else as plain
+msgpack, and as base64 only when it is neither (``raw_bytes``: always base64, as stored).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any, NamedTuple
 
+import msgpack
 from pydantic import BaseModel
 
 from rlbus.codec import DecodeError, decode
@@ -58,6 +61,19 @@ def resolve_topic(topics: Topics, name: str) -> tuple[str, type[BaseModel] | Non
         if name in (spec.name, spec.name.removeprefix(topics.settings.prefix + ".")):
             return spec.name, spec.message
     return name, None  # a topic outside the catalogue (e.g. a replay target): bytes only
+
+
+def carried_type(topics: Topics, topic: str) -> type[BaseModel] | None:
+    """The message type ``topic`` carries: its catalogue name under any prefix, so a dead
+    letter from another prefix's run (a re-scoring run's ``rescore.trajectories``) decodes
+    too. The longest name wins: ``x.trajectories.scored`` is not ``x.trajectories``."""
+    prefix = topics.settings.prefix + "."
+    names = sorted(
+        ((s.name.removeprefix(prefix), s.message) for s in topics.catalogue()),
+        key=lambda named: len(named[0]),
+        reverse=True,
+    )
+    return next((t for name, t in names if topic == name or topic.endswith("." + name)), None)
 
 
 # -- matching ---------------------------------------------------------------------------
@@ -202,7 +218,45 @@ def key_text(key: bytes | None) -> str | dict[str, str] | None:
         return {"base64": b64(key)}
 
 
-def as_json(raw: RawRecord, message: BaseModel | None, error: str | None) -> dict[str, Any]:
+def payload_json(payload: bytes, message_type: type[BaseModel] | None) -> tuple[str, Any]:
+    """What a dead letter's payload holds and its JSON form: the type's name and the message,
+    ``"msgpack"`` and the plain object (a map or array that fails the type), or ``"base64"``
+    and the bytes. A lone msgpack scalar counts as bytes: ``b"7"`` parses as the integer 55,
+    which says less than the bytes do."""
+    if message_type is not None:
+        try:
+            return message_type.__name__, jsonable(decode(payload, message_type))
+        except DecodeError:
+            pass
+    try:
+        value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception:  # hostile bytes raise many kinds (ExtraData, UnicodeDecodeError, ...)
+        value = None
+    if isinstance(value, dict | list):
+        return "msgpack", jsonable(value)
+    return "base64", {"base64": b64(payload)}
+
+
+def dead_letter_json(letter: DeadLetter, topics: Topics) -> dict[str, Any]:
+    """A dead letter with its key as text where it is UTF-8 and its payload decoded, next
+    to ``payload_type`` (see :func:`payload_json`)."""
+    row: dict[str, Any] = jsonable(letter)
+    row["key"] = key_text(letter.key)
+    kind, row["payload"] = payload_json(letter.payload, carried_type(topics, letter.source_topic))
+    row["payload_type"] = kind
+    return row
+
+
+def as_json(
+    raw: RawRecord,
+    message: BaseModel | None,
+    error: str | None,
+    *,
+    topics: Topics | None = None,
+    raw_bytes: bool = False,
+) -> dict[str, Any]:
+    """One record as a JSON-ready row. A dead letter's key and payload are decoded
+    (:func:`dead_letter_json`) unless ``raw_bytes`` or no ``topics`` is given."""
     row: dict[str, Any] = {
         "topic": raw.topic,
         "partition": raw.partition,
@@ -211,6 +265,9 @@ def as_json(raw: RawRecord, message: BaseModel | None, error: str | None) -> dic
         "time": iso_time(raw.timestamp_ms),
         "key": key_text(raw.key),
     }
+    if isinstance(message, DeadLetter) and topics is not None and not raw_bytes:
+        row["message"] = dead_letter_json(message, topics)
+        return row
     if message is not None:
         row["message"] = jsonable(message)
         return row
@@ -229,16 +286,18 @@ async def replay(
     *,
     to: str | None = None,
     limit: int | None = None,
+    raw_bytes: bool = False,
     out: IO[str] = sys.stdout,
 ) -> int:
-    """Print matching messages as JSON lines, or re-publish their bytes to ``to``."""
+    """Print matching messages as JSON lines, or re-publish their bytes to ``to``.
+    ``raw_bytes``: a dead letter's key and payload as base64, as stored."""
     topic, message_type = resolve_topic(topics, name)
     records = await read_topic(bus, topic, start)
     chosen = [d for d in decoded(records, message_type) if match(d.raw, d.message)]
     chosen = chosen[:limit] if limit is not None else chosen
     if to is None:
         for d in chosen:
-            out.write(json.dumps(as_json(*d)) + "\n")
+            out.write(json.dumps(as_json(*d, topics=topics, raw_bytes=raw_bytes)) + "\n")
         return len(chosen)
     producer = await bus.producer()
     target, _ = resolve_topic(topics, to)

@@ -1,18 +1,22 @@
 """rlbus replay and rlbus trace against the real broker."""
 
 import asyncio
+import base64
 import io
 import json
+import sys
 import time
 
 import pytest
 
+from rlbus.codec import encode
 from rlbus.messages import Prompt, StepRequest, Trajectory
 from rlbus.services.ops import inspection
 from rlbus.services.ops.launcher import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
-from rlbus.transport import KafkaBus
+from rlbus.transport import KafkaBus, RawRecord
+from rlbus.transport.deadletter import DeadLetterSink
 from tests import factories
 
 pytestmark = pytest.mark.kafka
@@ -113,6 +117,41 @@ async def test_replay_by_episode_and_republish(env, unique_name):
     assert sorted(t.episode_id for t in decoded) == ["run/7/1", "run/7/2"]
 
 
+async def _replay_cli(kafka_bootstrap, topics, *args):
+    env_vars = child_env(
+        {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlbus.services.ops.cli", "replay", *args, env=env_vars,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return [json.loads(line) for line in out.decode().splitlines()]
+
+
+async def test_replay_dlq_shows_a_dead_letters_key_as_text_and_its_payload_decoded(
+    env, kafka_bootstrap
+):
+    bus, topics = env
+    sink = DeadLetterSink(await bus.producer(), topics.dlq, "rollout-0")
+    prompt = factories.prompt("long/1")
+    for key, value in ((b"long/1", encode(prompt)), (b"\xfe", b"\xc1garbage")):
+        await sink.put(RawRecord(topics.prompts, 0, 7, key, value, {}, 0), "too long")
+    rows = await _replay_cli(kafka_bootstrap, topics, "dlq")
+    readable, garbage = [row["message"] for row in rows]
+    assert readable["key"] == "long/1" and readable["payload_type"] == "Prompt"
+    assert readable["payload"]["group_id"] == "long/1"
+    assert readable["source_topic"] == topics.prompts and readable["error"] == "too long"
+    assert garbage["key"] == {"base64": "/g=="} and garbage["payload_type"] == "base64"
+    assert base64.b64decode(garbage["payload"]["base64"]) == b"\xc1garbage"
+
+    raw, _ = [row["message"] for row in await _replay_cli(kafka_bootstrap, topics, "dlq", "--raw")]
+    assert raw["key"] == {"base64": base64.b64encode(b"long/1").decode()}
+    assert base64.b64decode(raw["payload"]["base64"]) == encode(prompt)
+    assert "payload_type" not in raw
+
+
 async def test_trace_gathers_one_episode_across_topics(env):
     bus, topics = env
     episode = await _publish_episode(bus, topics)
@@ -179,8 +218,6 @@ async def test_status_reads_what_trained_from_the_newest_weight_version(env):
 
 
 async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap):
-    import sys
-
     bus, topics = env
     path = tmp_path / "prompts.jsonl"
     path.write_text(

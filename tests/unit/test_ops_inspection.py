@@ -57,6 +57,63 @@ def test_a_dead_letter_with_a_non_utf8_payload_and_key_prints_as_json():
     assert base64.b64decode(row["message"]["key"]["base64"]) == b"\xfe\xff"
 
 
+TOPICS = Topics(TopicSettings(prefix="r"))
+
+
+def dead_letter_row(payload: bytes, key: bytes | None = b"long/1", source: str = "r.prompts",
+                    raw_bytes: bool = False) -> dict:  # fmt: skip
+    letter = DeadLetter(source_topic=source, partition=0, offset=3, error="too long",
+                        service="rollout-0", key=key, payload=payload)  # fmt: skip
+    d = one(encode(letter), DeadLetter)
+    row = inspection.as_json(*d, topics=TOPICS, raw_bytes=raw_bytes)
+    return json.loads(json.dumps(row))["message"]
+
+
+def test_a_dead_lettered_prompt_shows_its_text_key_and_the_prompt():
+    prompt = factories.prompt("long/1")
+    row = dead_letter_row(encode(prompt))
+    assert row["key"] == "long/1"
+    assert row["payload_type"] == "Prompt"
+    assert row["payload"]["group_id"] == "long/1" and row["payload"]["task"] == prompt.task
+    assert row["source_topic"] == "r.prompts" and row["error"] == "too long"
+
+
+def test_raw_keeps_a_dead_letters_key_and_payload_as_stored_base64():
+    payload = encode(factories.prompt("long/1"))
+    row = dead_letter_row(payload, raw_bytes=True)
+    assert row["key"] == {"base64": base64.b64encode(b"long/1").decode()}
+    assert base64.b64decode(row["payload"]["base64"]) == payload
+    assert "payload_type" not in row
+
+
+def test_a_dead_letter_payload_that_fails_its_type_shows_as_plain_msgpack():
+    payload = msgpack.packb({"group_id": 7, "blob": b"\xff", "text": "hi"}, use_bin_type=True)
+    row = dead_letter_row(payload)
+    assert row["payload_type"] == "msgpack"
+    assert row["payload"] == {"group_id": 7, "blob": {"base64": "/w=="}, "text": "hi"}
+
+
+def test_a_dead_letter_payload_that_is_not_msgpack_and_a_binary_key_stay_base64():
+    for payload in (GARBAGE, b"7", msgpack.packb("a lone string")):  # scalars say less as such
+        row = dead_letter_row(payload, key=b"\xfe\xff")
+        assert row["payload_type"] == "base64", payload
+        assert base64.b64decode(row["payload"]["base64"]) == payload
+        assert base64.b64decode(row["key"]["base64"]) == b"\xfe\xff"
+    assert dead_letter_row(GARBAGE, key=None)["key"] is None
+
+
+def test_a_dead_letters_source_topic_names_its_type_under_any_prefix():
+    scored = encode(factories.scored("run/1", 2))
+    for source in ("r.trajectories.scored", "rescore.trajectories.scored"):
+        row = dead_letter_row(scored, source=source)
+        assert row["payload_type"] == "ScoredTrajectory", source
+    assert dead_letter_row(encode(factories.step_result()), source="x.y.steps.results")[
+        "payload_type"] == "StepResult"
+    outside = dead_letter_row(encode(factories.prompt()), source="elsewhere")
+    assert outside["payload_type"] == "msgpack"  # no type known: the plain map
+    assert outside["payload"]["group_id"] == "run/0"
+
+
 def test_binary_and_exotic_values_in_a_free_form_spec_print_as_json():
     data = factories.prompt("g").model_dump(mode="python", context={"packed": True})
     data["spec"] = {"bin": b"\xff", "ts": msgpack.Timestamp(1, 2), "nested": {b"\xff": 1, 2: b"x"}}
