@@ -242,9 +242,9 @@ def dead_letter_json(letter: DeadLetter, topics: Topics) -> dict[str, Any]:
     to ``payload_type`` (see :func:`payload_json`)."""
     row: dict[str, Any] = jsonable(letter)
     row["key"] = key_text(letter.key)
-    kind, row["payload"] = payload_json(letter.payload, carried_type(topics, letter.source_topic))
-    row["payload_type"] = kind
-    return row
+    del row["payload"]  # put back last, the largest field, after what it was decoded as
+    kind, payload = payload_json(letter.payload, carried_type(topics, letter.source_topic))
+    return row | {"payload_type": kind, "payload": payload}
 
 
 def as_json(
