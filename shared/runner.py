@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
-from rlbus import telemetry
+from rlbus import logs, telemetry
 from rlbus.plugins import PluginError
 from rlbus.settings import ServiceSettings, UnknownSettingError
 from rlbus.transport import BrokerConnectError
@@ -45,12 +44,8 @@ def settings_class(name: str) -> type[ServiceSettings]:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    """Before the service module (and torch, transformers) is imported: see :mod:`rlbus.logs`."""
+    logs.configure(level)
 
 
 def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

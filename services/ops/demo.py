@@ -77,8 +77,11 @@ class Demo:
         say(f"broker at {bootstrap}")
         model = self.run_dir / "model"
         if not (model / "config.json").exists():
+            from transformers.utils import logging as transformers_logging
+
             from rlbus.services.learner.tiny_model import build_tiny_model
 
+            transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
             build_tiny_model(model, size=self.size)
         self.model = model
         prefix = f"demo-{self.run_dir.name}"
