@@ -101,7 +101,7 @@ class FoldRepeats(logging.Filter):
                         for n, (name, _, text) in folded[:shown])  # fmt: skip
         more = f"; and {len(folded) - shown} more" if len(folded) > shown else ""
         return (f"folded {total} repeated Kafka client log line(s) of {len(folded)} "
-                f"condition(s), each shown once: {top}{more}")  # fmt: skip
+                f"condition(s) logged above: {top}{more}")  # fmt: skip
 
 
 def _clip(text: str, width: int) -> str:
