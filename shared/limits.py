@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 if TYPE_CHECKING:  # settings import this module; it stays free of the wire types
     from rlbus.messages import Prompt, ScoredTrajectory, StepRequest, Trajectory
@@ -31,12 +31,32 @@ class Limits(BaseModel):
     """Turns one trajectory may hold."""
     max_spec_bytes: int = Field(default=256 * 1024, ge=64)
     """Size of a task spec as JSON (it is copied into every trajectory of its group)."""
+    max_depth: int = Field(default=32, ge=8, le=256)
+    """Nesting of maps and arrays in one message, its own top-level map being 1; checked on
+    decode. Free-form fields (a task spec, a verifier's info) are where depth comes from;
+    far below the depth at which json, pydantic or copy.deepcopy recurse out of stack."""
+    max_elements: int = Field(default=1 << 18, ge=1024)
+    """Array items plus map entries in one message, all collections together; also the
+    largest one collection may declare, refused by the unpacker before it allocates. Our
+    messages carry token ids as packed binaries (one element); a producer that sends them
+    as msgpack arrays counts one element a token."""
+    max_string_bytes: int = Field(default=1 << 20, ge=1024)
+    """Bytes of one string or binary value (a packed token array is one binary: 4 bytes a
+    token, so at least ``4 * max_input_tokens``)."""
+
+    @model_validator(mode="after")
+    def _tokens_fit_a_binary(self) -> Limits:
+        if self.max_string_bytes < 4 * self.max_input_tokens:
+            raise ValueError(
+                f"max_string_bytes {self.max_string_bytes} cannot hold a packed context of "
+                f"max_input_tokens {self.max_input_tokens} (4 bytes a token)")
+        return self
 
 
 def _spec_bytes(spec: object) -> int:
     try:
         return len(json.dumps(spec, separators=(",", ":"), default=str))
-    except (TypeError, ValueError):  # circular or odd: as good as too large
+    except (TypeError, ValueError, RecursionError):  # circular or odd: as good as too large
         return 1 << 62
 
 

@@ -41,9 +41,24 @@ def _unpack(typecode: str) -> Any:
             if not _LITTLE:
                 arr.byteswap()
             return arr.tolist()
+        if typecode == "i" and isinstance(value, list):
+            _check_int32(value)
         return value
 
     return unpack
+
+
+def _check_int32(ids: list[Any]) -> None:
+    """Token ids sent as a msgpack array (a foreign producer's choice) must be ints that
+    int32 holds, or the message would not encode again (a dead letter's payload, reward's
+    output). Packed ones hold nothing else; checked here, not per item, so they cost
+    nothing (a per-item constraint made validating a long trajectory twice as slow)."""
+    try:
+        outside = bool(ids) and (min(ids) < -(2**31) or max(ids) > 2**31 - 1)
+    except TypeError:  # strings, nil, maps: min() cannot order them against an int
+        raise ValueError("token ids must be integers") from None
+    if outside:
+        raise ValueError("token ids must be in the range of int32")
 
 
 def _pack(typecode: str) -> Any:
@@ -84,8 +99,8 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     max_new_tokens: int = Field(default=16, ge=1)
 
 
