@@ -42,6 +42,7 @@ class Service(ABC, Generic[S]):
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
         self.bus.service = self.member  # names this member in dead letters and spans
         self.bus.max_message_bytes = settings.topics.max_message_bytes
+        self.bus.limits = settings.limits  # decode limits of its consumers
         self.handled = 0
         self.counters: dict[str, float] = {}
         self._stop = asyncio.Event()

@@ -7,7 +7,7 @@ Service code imports from here and sees only :class:`Bus`, :class:`Producer` and
 :class:`Consumer`.
 """
 
-from rlbus.transport.deadletter import DeadLetterSink
+from rlbus.transport.deadletter import DeadLetterSink, failure_reason
 from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FRAMING_BYTES,
@@ -19,6 +19,7 @@ from rlbus.transport.interfaces import (
     Delivery,
     Headers,
     MessageTooLargeError,
+    Outcome,
     Producer,
     RawRecord,
     with_timeout,
@@ -44,9 +45,11 @@ __all__ = [
     "MemoryBus",
     "MessageTooLargeError",
     "OffsetTracker",
+    "Outcome",
     "Producer",
     "RawRecord",
     "admin_client",
     "client_options",
+    "failure_reason",
     "with_timeout",
 ]

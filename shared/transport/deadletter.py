@@ -1,4 +1,11 @@
-"""The dead-letter sink: undecodable or unprocessable records, kept for operators."""
+"""The dead-letter sink: undecodable or unprocessable records, kept for operators.
+
+A dead letter always fits its topic: the reason is cut to ``MAX_ERROR_CHARS`` and a payload
+that would make the letter larger than ``max_message_bytes`` is left out (the letter says
+so, and still names topic, partition and offset). Otherwise the record at the largest size
+the topic accepts, or a reason quoting a huge string, could not be dead-lettered, and the
+record would hold back its partition's commits for good.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,22 @@ from rlbus.messages import DeadLetter
 
 if TYPE_CHECKING:  # only types: interfaces imports this module
     from rlbus.transport.interfaces import Producer, RawRecord
+
+MAX_ERROR_CHARS = 2000
+"""Longest reason a dead letter carries (a reason may quote hostile input)."""
+LETTER_OVERHEAD_BYTES = 1024
+"""Room kept for a letter's own fields (names, offsets, msgpack framing)."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason a dead letter gives for an exception: its type and message."""
+    return bounded(f"{type(exc).__name__}: {exc}")
+
+
+def bounded(error: str) -> str:
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    return f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
 
 
 class DeadLetterSink:
@@ -19,6 +42,14 @@ class DeadLetterSink:
         self.service = service
 
     async def put(self, raw: RawRecord, error: str) -> None:
+        error = bounded(error)
+        payload = raw.value
+        room = (self.producer.max_message_bytes - LETTER_OVERHEAD_BYTES
+                - len(error.encode()) - len(raw.key or b"") - len(raw.topic))
+        if len(payload) > room:
+            error += (f" [payload of {len(payload)} bytes left out: the letter must fit "
+                      "RLBUS_TOPICS__MAX_MESSAGE_BYTES]")
+            payload = b""
         letter = DeadLetter(
             source_topic=raw.topic,
             partition=raw.partition,
@@ -26,7 +57,7 @@ class DeadLetterSink:
             error=error,
             service=self.service,
             key=raw.key,
-            payload=raw.value,
+            payload=payload,
         )
         headers = {
             "rlbus.source.topic": raw.topic.encode(),

@@ -8,8 +8,11 @@ Delivery contract of this layer:
 * Consumers never auto-commit. A service ``ack``s each delivery once its work is durable;
   ``commit`` then commits, per partition, the offset below which everything is acked
   (:mod:`rlbus.transport.offsets`), so a crash redelivers exactly the unfinished messages.
-* A record that does not decode or validate is published to the dead-letter topic
+* A record that does not decode or validate, or is over a decode limit (depth, elements,
+  string bytes: :class:`rlbus.limits.Limits`), is published to the dead-letter topic
   (:mod:`rlbus.transport.deadletter`), acked, and never reaches the handler.
+* A delivery whose handling raises, inside :meth:`Consumer.handling`, is dead-lettered with
+  the exception's type and message and acked: the offset moves on and the service goes on.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pydantic import BaseModel
 
 from rlbus import telemetry
 from rlbus.codec import DecodeError, decode, encode
+from rlbus.limits import Limits
 from rlbus.settings import TopicSettings
-from rlbus.transport.deadletter import DeadLetterSink
+from rlbus.transport.deadletter import DeadLetterSink, failure_reason
 from rlbus.transport.offsets import TP, OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -94,6 +98,14 @@ class Delivery(Generic[M]):
         """The ``process <topic>`` span around a handler; sends inside it join its trace."""
         with telemetry.use(self.start_span()) as span:
             yield span
+
+
+@dataclass
+class Outcome:
+    """How the handling of one delivery ended (:meth:`Consumer.handling`)."""
+
+    error: str | None = None
+    """Why it was dead-lettered; None while it was not."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +207,8 @@ class Consumer(ABC, Generic[M]):
         self.group: str | None = None
         self.service = ""
         self.tracker = OffsetTracker()
+        self.limits = Limits()
+        """What a record may hold to be decoded (set by the bus from the service's settings)."""
 
     @abstractmethod
     async def _fetch(self, timeout_s: float, max_records: int) -> list[RawRecord]: ...
@@ -251,7 +265,7 @@ class Consumer(ABC, Generic[M]):
 
     async def _decode(self, raw: RawRecord) -> Delivery[M] | None:
         try:
-            message = decode(raw.value, self.message_type)
+            message = decode(raw.value, self.message_type, self.limits)
         except DecodeError as exc:
             log.warning("dead letter %s[%d]@%d: %s", raw.topic, raw.partition, raw.offset, exc)
             if self.dlq is not None:
@@ -291,9 +305,31 @@ class Consumer(ABC, Generic[M]):
                     delivery.offset, error)
         if self.dlq is not None:
             raw = RawRecord(delivery.topic, delivery.partition, delivery.offset, delivery.key,
-                            encode(delivery.message), delivery.headers, delivery.timestamp_ms)
+                            _payload(delivery.message), delivery.headers, delivery.timestamp_ms)
             await self.dlq.put(raw, error)
         self.ack(delivery)
+
+    @contextlib.asynccontextmanager
+    async def handling(self, delivery: Delivery[M], *,
+                       hand_back: Callable[[], bool] = lambda: False) -> AsyncIterator[Outcome]:
+        """The one boundary around the work on one delivery, in whichever task does it: an
+        exception raised inside dead-letters the delivery with the exception's type and
+        message (also left in the yielded :class:`Outcome`) and acks it, so the offset moves
+        on and the service goes on. Work that finishes normally acks as it always does.
+        While ``hand_back()`` is true (a service draining) the exception propagates instead
+        and the delivery stays unacked: the next owner of the partition handles it again.
+        Cancellation always propagates. If the dead letter cannot be written (the broker is
+        gone), that error propagates: the caller stops rather than drop the delivery."""
+        outcome = Outcome()
+        try:
+            yield outcome
+        except Exception as exc:
+            if hand_back():
+                raise
+            log.error("handling %s[%d]@%d failed", delivery.topic, delivery.partition,
+                      delivery.offset, exc_info=exc)
+            outcome.error = failure_reason(exc)
+            await self.reject(delivery, outcome.error)
 
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)
@@ -313,6 +349,16 @@ class Consumer(ABC, Generic[M]):
                 yield d
 
 
+def _payload(message: BaseModel) -> bytes:
+    """A decoded message as a dead letter's payload; one that no longer encodes (a value
+    its wire type cannot hold) leaves the payload empty rather than the delivery unacked."""
+    try:
+        return encode(message)
+    except Exception as exc:
+        log.warning("dead letter without payload: %s", failure_reason(exc))
+        return b""
+
+
 class Bus(ABC):
     """Factory for producers and consumers on one cluster (or in memory)."""
 
@@ -325,6 +371,8 @@ class Bus(ABC):
         self.dlq_topic = dlq_topic
         self.service = service
         self.max_message_bytes = max_message_bytes
+        self.limits = Limits()
+        """Decode limits of every consumer this bus makes (a service sets its own)."""
 
     @abstractmethod
     async def producer(self, *, transactional_id: str | None = None) -> Producer: ...

@@ -303,6 +303,7 @@ class KafkaBus(Bus):
             c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
         )
         consumer.service, consumer.group = self.service, group_id
+        consumer.limits = self.limits
         listener = _Listener(on_assign)
         listener.consumer = consumer
         if assign is not None:

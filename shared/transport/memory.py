@@ -274,7 +274,7 @@ class MemoryBus(Bus):
             from_end,
             on_assign,
         )
-        c.service, c.group = self.service, group_id
+        c.service, c.group, c.limits = self.service, group_id, self.limits
         track(c)
         if assign is not None:
             c.reassign(assign)
