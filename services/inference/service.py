@@ -155,12 +155,17 @@ class Inference(Service[InferenceSettings]):
         with telemetry.span(
             "generate", self.member, links=spans, attributes={"rlbus.batch": len(valid)}
         ):
-            results = await self._generate(valid)
-        replies = [asyncio.create_task(self._reply(d, r, s))
-                   for d, r, s in zip(valid, results, spans, strict=True)]
+            generated, version = await self._generate(valid)
+        replies = []
+        for d, gen, span in zip(valid, generated, spans, strict=True):
+            # a completion that makes no valid result (the engine's bug, or a request it
+            # chokes on): that request is a dead letter, the rest of the batch is answered
+            async with self.steps.handling(d):
+                result = self._result(d.message, gen, version)
+                replies.append(asyncio.create_task(self._reply(d, result, span)))
         await self._settle_later(batch, replies)
         self.count_input(len(batch))
-        tokens = sum(len(r.completion_ids) for r in results)
+        tokens = sum(len(g.completion_ids) for g in generated if not isinstance(g, Exception))
         self.bump("tokens", tokens)
         telemetry.TOKENS.add(tokens, {"rlbus.service": self.member})
 
@@ -224,19 +229,21 @@ class Inference(Service[InferenceSettings]):
         self.bump("unroutable")
         return False
 
-    async def _generate(self, batch: list[Delivery[StepRequest]]) -> list[StepResult]:
-        """One engine call per distinct sampling setting; errors become error results."""
+    async def _generate(self, batch: list[Delivery[StepRequest]]
+                        ) -> tuple[list[Completion | Exception], int]:
+        """One engine call per distinct sampling setting: each request's completion (or
+        the engine's error), in batch order, and the weight version that made them."""
         assert self.engine is not None
         by_sampling: dict[Sampling, list[int]] = defaultdict(list)
         for i, d in enumerate(batch):
             by_sampling[d.message.sampling].append(i)
-        out: list[StepResult | None] = [None] * len(batch)
+        out: list[Completion | Exception] = [ValueError("not generated")] * len(batch)
         version = self.engine.version
         for sampling, idx in by_sampling.items():
             gens = await self._safe_generate([batch[i].message.input_ids for i in idx], sampling)
             for i, g in zip(idx, gens, strict=True):
-                out[i] = self._result(batch[i].message, g, version)
-        return [r for r in out if r is not None]
+                out[i] = g
+        return out, version
 
     async def _safe_generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Any]:
         assert self.engine is not None

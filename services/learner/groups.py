@@ -78,6 +78,17 @@ class GroupAssembler:
             self.ready.append(self.open.pop(t.group_id))
         return []
 
+    def abandon(self, group_id: str) -> list[Delivery[Any]]:
+        """Give up an incomplete group (a member of it was dead-lettered): it is never
+        trained, later copies of its members are dropped like duplicates, and the
+        deliveries held for it are returned, to ack now. A complete group is kept: the
+        member dead-lettered was a surplus copy."""
+        if any(g.group_id == group_id for g in self.ready):
+            return []
+        self._remember(group_id)  # also with no member back yet: none may follow it
+        group = self.open.pop(group_id, None)
+        return group.deliveries if group is not None else []
+
     def take(self, n: int, last_chance: int | None = None) -> list[Group]:
         """``n`` complete groups, marked trained: first those whose last chance to train
         within the staleness bound is this step (sampled at ``last_chance``), then the rest
@@ -93,10 +104,13 @@ class GroupAssembler:
         self.ready.sort(key=key)  # stable: completion order within a version
         taken, self.ready = self.ready[:n], self.ready[n:]
         for g in taken:
-            self.trained[g.group_id] = None
+            self._remember(g.group_id)
+        return taken
+
+    def _remember(self, group_id: str) -> None:
+        self.trained[group_id] = None
         while len(self.trained) > self.remember:
             self.trained.popitem(last=False)
-        return taken
 
     def due(self, version: int, max_staleness: int, n: int) -> list[str]:
         """Incomplete groups that a step at ``version`` should wait for: sampled exactly

@@ -38,7 +38,7 @@ from rlbus.services.learner.groups import GroupAssembler
 from rlbus.services.learner.settings import LearnerSettings
 from rlbus.services.learner.store import load_checkpoint, save_checkpoint, save_weights
 from rlbus.services.learner.trainer import SyntheticTrainer, Trainer
-from rlbus.transport import TP, Bus, Consumer, Producer
+from rlbus.transport import TP, Bus, Consumer, Delivery, Producer
 
 log = logging.getLogger(__name__)
 
@@ -165,22 +165,43 @@ class Learner(Service[LearnerSettings]):
     async def main(self) -> None:
         while not self.stopping:
             for d in await self.scored.poll(0.5):
-                why = check_scored(d.message, self.settings.limits)
-                if why is not None:  # a group of 10^9 would wait for members forever
-                    await self.scored.reject(d, why)
-                    self.bump("rejected")
-                    continue
-                with d.processing():
-                    if d.message.trajectory.purpose == "eval":
-                        self._take_eval(d.message)
-                        self.scored.ack(d)
-                    else:
-                        for done in self.assembler.add(d):
-                            self.scored.ack(done)
-                self.count_input()
+                await self._handle(d)
             while (len(self.assembler.ready) >= self.settings.groups_per_step
                    and not self._waiting() and not self.stopping):
                 await self._train_step()
+
+    async def _handle(self, d: Delivery[ScoredTrajectory]) -> None:
+        """One scored episode into its group or its evaluation round. Dead-lettered (over
+        a limit, or its handling raised), it also ends its group: the group can never be
+        complete, and its members held so far would hold back every later commit."""
+        async with self.scored.handling(d) as outcome:
+            outcome.error = check_scored(d.message, self.settings.limits)
+            if outcome.error is not None:  # a group of 10^9 would wait for members forever
+                await self.scored.reject(d, outcome.error)
+                self.bump("rejected")
+            else:
+                with d.processing():
+                    self._take(d)
+        if outcome.error is not None:
+            self._abandon(d.message.trajectory.group_id)
+        self.count_input()
+
+    def _take(self, d: Delivery[ScoredTrajectory]) -> None:
+        if d.message.trajectory.purpose == "eval":
+            self._take_eval(d.message)
+            self.scored.ack(d)
+        else:
+            for done in self.assembler.add(d):
+                self.scored.ack(done)
+
+    def _abandon(self, group_id: str) -> None:
+        held = self.assembler.abandon(group_id)
+        for d in held:
+            self.scored.ack(d)
+        if held:
+            log.warning("group %s abandoned: a member was dead-lettered; %d episodes of it "
+                        "dropped", group_id, len(held))
+            self.bump("abandoned_groups")
 
     def _waiting(self) -> bool:
         """Hold the step back while a straggling group's last chance to train within the

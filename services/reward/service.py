@@ -22,7 +22,14 @@ from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.service import Service
 from rlbus.services.reward.pool import VerifierFailed, VerifierPool
 from rlbus.services.reward.settings import RewardSettings
-from rlbus.transport import Bus, Consumer, Delivery, Producer
+from rlbus.transport import (
+    Bus,
+    Consumer,
+    Delivery,
+    MessageTooLargeError,
+    Producer,
+    failure_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +60,43 @@ class Reward(Service[RewardSettings]):
                 await self._publish(batch)
 
     async def _publish(self, batch: list[Delivery[Trajectory]]) -> None:
-        batch = await self._within_limits(batch)
-        spans = [d.start_span() for d in batch]
-        scored = await asyncio.gather(
-            *(self._score(d, s) for d, s in zip(batch, spans, strict=True))
-        )
-        for d in batch:
+        handled = await asyncio.gather(*(self._handle(d) for d in batch))
+        done = [(d, *h) for d, h in zip(batch, handled, strict=True) if h is not None]
+        for d in batch:  # the dead-lettered too: their offsets go with this transaction
             self.trajectories.ack(d)
         offsets = self.trajectories.tracker.committable()
         async with self.producer.transaction():
-            for s, span in zip(scored, spans, strict=True):
+            for d, s, span in done:
                 with telemetry.use(span):
-                    await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
+                    await self._send(d, s)
             if offsets:
                 await self.producer.send_offsets(offsets, self.group)
         self.trajectories.tracker.committed(offsets)
         self.count_input(len(batch))
-        self.bump("masked", sum(not s.valid for s in scored))
-        self.bump("reward_sum", sum(s.reward for s in scored if s.valid))
+        self.bump("masked", sum(not s.valid for _, s, _ in done))
+        self.bump("reward_sum", sum(s.reward for _, s, _ in done if s.valid))
 
-    async def _within_limits(self, batch: list[Delivery[Trajectory]]
-                             ) -> list[Delivery[Trajectory]]:
-        keep = []
-        for d in batch:
+    async def _handle(self, d: Delivery[Trajectory]) -> tuple[ScoredTrajectory, Any] | None:
+        """One trajectory scored, or None: over a limit, or its handling raised (either
+        way dead-lettered and acked, and its offset commits with the batch's)."""
+        async with self.trajectories.handling(d):
             why = check_trajectory(d.message, self.settings.limits)
-            if why is None:
-                keep.append(d)
-            else:  # dead-lettered and acked: its offset goes with this batch's transaction
+            if why is not None:
                 self.bump("rejected")
                 await self.trajectories.reject(d, why)
-        return keep
+                return None
+            span = d.start_span()
+            return await self._score(d, span), span
+        return None
+
+    async def _send(self, d: Delivery[Trajectory], s: ScoredTrajectory) -> None:
+        """Into the open transaction. A sample too large to publish (the verifier's info
+        on top of a trajectory at the size limit) is refused before anything is sent, so
+        the transaction goes on without it; a broker error aborts the whole batch."""
+        try:
+            await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
+        except MessageTooLargeError as exc:
+            await self.trajectories.reject(d, failure_reason(exc))
 
     async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:
         with telemetry.use(span, end=False), telemetry.span("score", self.member) as s:

@@ -175,25 +175,33 @@ class Rollout(Service[RolloutSettings]):
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
         self._groups.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # only while stopping
-            log.error("group task ended with an error", exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("group task ended with an error", exc_info=task.exception())
+        # its prompt is unacked and would hold back every later commit: stop, and let the
+        # next owner of the partition roll it out (only while draining, or with no broker)
+        self.request_stop(f"group task {task.get_name()} failed: {task.exception()!r}")
 
     async def _run_group(self, d: Delivery[Prompt]) -> None:
-        prompt = d.message
-        with d.processing() as prompt_span:
-            # over a limit or naming no loadable task: a dead letter, before any allocation
-            why, task = check_prompt(prompt, self.settings.limits), None
-            if why is None:
-                try:
-                    task = plugins.task(prompt.task)
-                except plugins.PluginError as exc:
-                    why = str(exc)
-            if task is None:
-                await self._dead_letter(d, why or "no task")
-            else:
-                await self._roll_out(d, task, prompt_span)
+        # an error the group's own retries do not take: its prompt is a dead letter
+        async with self.prompts.handling(d, hand_back=lambda: self.stopping):
+            with d.processing() as prompt_span:
+                await self._handle_prompt(d, prompt_span)
         self.prompts.ack(d)  # only now: every trajectory of the group is on the broker
         self.count_input()
+
+    async def _handle_prompt(self, d: Delivery[Prompt], prompt_span: Any) -> None:
+        # over a limit or naming no loadable task: a dead letter, before any allocation
+        why, task = check_prompt(d.message, self.settings.limits), None
+        if why is None:
+            try:
+                task = plugins.task(d.message.task)
+            except plugins.PluginError as exc:
+                why = str(exc)
+        if task is None:
+            await self._dead_letter(d, why or "no task")
+        else:
+            await self._roll_out(d, task, prompt_span)
 
     async def _roll_out(self, d: Delivery[Prompt], task: Task, prompt_span: Any) -> None:
         """Every episode of the group, published. A group that crashes (a broker call that
