@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any, NamedTuple
 
-import msgpack
 from pydantic import BaseModel
 
-from rlbus.codec import DecodeError, decode
+from rlbus.codec import DecodeError, decode, unpack
 from rlbus.messages import (
     DeadLetter,
     Prompt,
@@ -220,17 +219,17 @@ def key_text(key: bytes | None) -> str | dict[str, str] | None:
 
 def payload_json(payload: bytes, message_type: type[BaseModel] | None) -> tuple[str, Any]:
     """What a dead letter's payload holds and its JSON form: the type's name and the message,
-    ``"msgpack"`` and the plain object (a map or array that fails the type), or ``"base64"``
-    and the bytes. A lone msgpack scalar counts as bytes: ``b"7"`` parses as the integer 55,
-    which says less than the bytes do."""
+    ``"msgpack"`` and the plain object (a map or array that fails the type, within the
+    decode limits), or ``"base64"`` and the bytes. A lone msgpack scalar counts as bytes:
+    ``b"7"`` parses as the integer 55, which says less than the bytes do."""
     if message_type is not None:
         try:
             return message_type.__name__, jsonable(decode(payload, message_type))
         except DecodeError:
             pass
-    try:
-        value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception:  # hostile bytes raise many kinds (ExtraData, UnicodeDecodeError, ...)
+    try:  # within the decode limits: a payload nested 1000 deep would break jsonable
+        value = unpack(payload)
+    except DecodeError:
         value = None
     if isinstance(value, dict | list):
         return "msgpack", jsonable(value)

@@ -102,6 +102,13 @@ def test_a_dead_letter_payload_that_is_not_msgpack_and_a_binary_key_stay_base64(
     assert dead_letter_row(GARBAGE, key=None)["key"] is None
 
 
+def test_a_dead_letter_payload_over_the_decode_limits_stays_base64():
+    deep = b"\x91" * 1000 + b"\x00"  # [[[...0...]]], 1000 levels: msgpack parses it
+    row = dead_letter_row(deep)
+    assert row["payload_type"] == "base64"
+    assert base64.b64decode(row["payload"]["base64"]) == deep
+
+
 def test_a_dead_letters_source_topic_names_its_type_under_any_prefix():
     scored = encode(factories.scored("run/1", 2))
     for source in ("r.trajectories.scored", "rescore.trajectories.scored"):
