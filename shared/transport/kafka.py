@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
@@ -136,10 +136,28 @@ class KafkaProducer(Producer):
 
     async def close(self) -> None:
         self.closed = True
-        try:
-            await with_timeout(self._p.stop(), self._timeout, "producer stop")
-        except BrokerTimeout:
-            log.warning("producer did not stop in %.0fs; abandoning it", self._timeout)
+        await _stop_client(self._p.stop(), self._timeout, "producer")
+
+
+async def _stop_client(stop: Awaitable[None], timeout_s: float, what: str) -> None:
+    """Stop an aiokafka client without letting its failure stop the caller's shutdown.
+
+    With the broker gone, aiokafka's consumer ``stop()`` can raise the ``CancelledError`` of
+    its own fetch task: our task was not cancelled, so that would end the service's close
+    half-way (other clients left open, no summary line). Only a cancellation of our own
+    task propagates.
+    """
+    try:
+        await with_timeout(stop, timeout_s, f"{what} stop")
+    except BrokerTimeout:
+        log.warning("%s did not stop in %.0fs; abandoning it", what, timeout_s)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("%s stop was cancelled inside the Kafka client; abandoning it", what)
+    except Exception as exc:  # a client that fails to stop is abandoned, the rest still close
+        log.warning("%s stop failed: %r; abandoning it", what, exc)
 
 
 class KafkaConsumer(Consumer[M]):
@@ -223,10 +241,7 @@ class KafkaConsumer(Consumer[M]):
 
     async def close(self) -> None:
         self.closed = True
-        try:
-            await with_timeout(self._c.stop(), self._timeout, "consumer stop")
-        except BrokerTimeout:
-            log.warning("consumer did not stop in %.0fs; abandoning it", self._timeout)
+        await _stop_client(self._c.stop(), self._timeout, "consumer")
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]

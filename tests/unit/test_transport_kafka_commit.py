@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import TopicPartition
 
@@ -56,3 +59,31 @@ async def test_a_commit_the_group_refused_is_not_recorded_as_made():
     consumer.tracker.ack("steps", 0, 3)
     assert await consumer.commit() == {}
     assert consumer.tracker.committable() == {("steps", 0): 4}  # still to commit
+
+
+class _StopCancelled(_AiokafkaConsumer):
+    """aiokafka's consumer ``stop()`` with the broker gone: the CancelledError of its own
+    fetch task comes out of it."""
+
+    async def stop(self) -> None:
+        raise asyncio.CancelledError
+
+
+class _StopHangs(_AiokafkaConsumer):
+    async def stop(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_client_whose_stop_raises_its_own_cancellation_is_abandoned_not_fatal():
+    """The bus closes every client whatever one of them does; only a cancellation of the
+    caller's own task propagates."""
+    consumer = KafkaConsumer(_StopCancelled(), Prompt, None, timeout_s=5)
+    await consumer.close()  # returns: the caller was not cancelled
+    assert consumer.closed
+
+    hanging = KafkaConsumer(_StopHangs(), Prompt, None, timeout_s=60)
+    task = asyncio.create_task(hanging.close())
+    await asyncio.sleep(0.05)  # inside stop()
+    task.cancel()  # our own cancellation still ends the task
+    with pytest.raises(asyncio.CancelledError):
+        await task
