@@ -139,6 +139,7 @@ class Service(ABC, Generic[S]):
             await self.setup()
             log.info("%s ready", self.member)
             self.ready.set()
+            self._last_input = time.monotonic()  # idle counts from here: start-up is not idle
             self.spawn("idle-watch", self._watch_idle())
             self.spawn("loop-lag", self._watch_loop_lag())
             main = asyncio.create_task(self.main(), name=f"{self.member}:main")

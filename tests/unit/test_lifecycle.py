@@ -21,6 +21,28 @@ async def test_until_idle_stops_a_quiet_service():
     assert "idle" in summary["stop_reason"]
 
 
+async def test_idle_counts_from_ready_not_from_a_slow_start_up():
+    """A start-up longer than ``until_idle_s`` (importing torch, joining a group) is not idle:
+    a rollout with ``until_idle_s=8`` once stopped with nothing handled after a 23 s start."""
+
+    class SlowStart(Reward):
+        async def setup(self) -> None:
+            await super().setup()
+            await asyncio.sleep(0.6)  # the start-up, longer than until_idle_s below
+            self.setup_done_at = loop.time()
+
+        def request_stop(self, reason: str = "requested") -> None:
+            self.stop_requested_at = loop.time()
+            super().request_stop(reason)
+
+    loop = asyncio.get_running_loop()
+    reward = SlowStart(RewardSettings(topics=TOPICS, until_idle_s=0.3),
+                       MemoryBus(memory_broker(TOPICS)))
+    summary = await asyncio.wait_for(reward.run(), 30)
+    assert "idle" in summary["stop_reason"]
+    assert reward.stop_requested_at - reward.setup_done_at >= 0.3  # a whole idle period
+
+
 async def test_max_messages_stops_after_that_many():
     broker = memory_broker(TOPICS)
     producer = await MemoryBus(broker).producer()
