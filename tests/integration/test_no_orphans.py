@@ -28,13 +28,21 @@ drain when idle, a JVM's shutdown, and reaping by this machine's init (about 1.6
 def _start(argv: list[str], ready: str, log: Path, timeout: float = 180) -> subprocess.Popen:
     env = child_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})  # no RLBUS_*: own broker
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_interruptible)
     deadline = time.monotonic() + timeout
     while ready not in log.read_text(errors="replace"):
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.3)
     return proc
+
+
+def _interruptible() -> None:
+    """SIGINT acts as Ctrl-C in the victim however pytest was started: a shell starts a
+    background job with SIGINT ignored, a child inherits that, and Python then never raises
+    KeyboardInterrupt (the demo ran its 500 steps to the end under such a loop)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill_and_check(proc: subprocess.Popen, sig: signal.Signals, log: Path,
