@@ -3,11 +3,11 @@
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from rlbus.services.ops.launcher import ServiceProcesses, child_env
+from tests.polling import wait_until_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -33,15 +33,17 @@ def test_sigterm_drains_and_exits_cleanly(kafka_bootstrap, unique_name, tmp_path
     procs = ServiceProcesses(tmp_path)
     log = procs.spawn(service, 0, env).log
     proc = procs.get(f"{service}-0").popen
-    deadline = time.monotonic() + 60
-    while f"{service}-0 ready" not in log.read_text():
+
+    def ready() -> bool:
         assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
-    started = time.monotonic()
+        return f"{service}-0 ready" in log.read_text()
+
+    wait_until_sync(ready, f"{service}-0 ready", timeout_s=120)  # importing torch, under load
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=40) == 0, log.read_text()
+    assert proc.wait(timeout=120) == 0, log.read_text()  # a safety net: drain alone may take 30 s
     text = log.read_text()
     assert f"{service}-0 stopping: SIGTERM" in text
     assert "stop_reason=SIGTERM" in text  # the one summary line
-    assert time.monotonic() - started < 30  # well inside drain_timeout_s + close
+    # drained, not cut off: neither the main loop nor the drain ran into drain_timeout_s
+    assert "did not return in time" not in text and "drain timed out" not in text, text
+    assert "drain failed" not in text, text

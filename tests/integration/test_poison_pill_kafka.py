@@ -123,9 +123,9 @@ async def test_a_rollout_process_fed_the_pill_still_stops_on_sigterm(
         while "prompt pill dead-lettered" not in rollout.log.read_text():
             assert rollout.alive and time.monotonic() < deadline, rollout.tail(30)
             await asyncio.sleep(0.2)
-        started = time.monotonic()
         rollout.popen.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(rollout.popen.wait, 40) == 0, rollout.tail(30)
-        assert time.monotonic() - started < 30  # within drain_timeout_s
+        assert await asyncio.to_thread(rollout.popen.wait, 120) == 0, rollout.tail(30)
+        text = rollout.log.read_text()  # stopped by draining, not cut off at drain_timeout_s
+        assert "did not return in time" not in text and "drain timed out" not in text, text
     finally:
         procs.stop(timeout=10)
