@@ -104,3 +104,15 @@ def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
 
 def check_scored(s: ScoredTrajectory, limits: Limits) -> str | None:
     return check_trajectory(s.trajectory, limits)
+
+
+def check_token_ids(t: Trajectory, vocab_size: int) -> str | None:
+    """Why ``t`` holds a token id its model has no embedding for, or None: valid on the wire,
+    such an id fails every batch it lands in (an embedding lookup out of range)."""
+    for k, turn in enumerate(t.turns):
+        for field, ids in (("input_ids", turn.input_ids), ("completion_ids", turn.completion_ids)):
+            if len(ids) and not 0 <= min(ids) <= max(ids) < vocab_size:
+                bad = next(i for i in ids if not 0 <= i < vocab_size)
+                return (f"turn {k} {field} holds token id {bad}, outside the model's "
+                        f"vocabulary of {vocab_size}")
+    return None

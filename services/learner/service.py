@@ -191,6 +191,7 @@ class Learner(Service[LearnerSettings]):
             self._take_eval(d.message)
             self.scored.ack(d)
         else:
+            self.trainer.admit(d.message.trajectory)  # raises: a dead letter, not a failed step
             for done in self.assembler.add(d):
                 self.scored.ack(done)
 

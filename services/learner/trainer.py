@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
+from rlbus.limits import check_token_ids
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
 from rlbus.services.learner.distributed import World, shard
 from rlbus.services.learner.groups import Group
@@ -88,6 +89,7 @@ class Trainer:
         # fp32 master weights whatever the compute dtype (autocast casts per operation)
         model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
         self.model = model.to(self.device)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         if cfg.gradient_checkpointing:
             self.model.config.use_cache = False
             # transformers 5 renamed gradient_ to activation_checkpointing_enable
@@ -123,6 +125,16 @@ class Trainer:
                 for m, a, s, c in zip(members, adv.tolist(), stale, causes, strict=True)
             ]
         return out
+
+    def admit(self, t: Trajectory) -> None:
+        """Raise if ``t`` cannot take part in a step: called per episode on intake, where a
+        raise dead-letters that episode alone. Valid on the wire, an episode with a token id
+        past the vocabulary (an embedding lookup out of range) or a spec that breaks its
+        task's success metric would otherwise fail every step it lands in, at every restart."""
+        why = check_token_ids(t, self.vocab_size)
+        if why is not None:
+            raise ValueError(why)
+        episode_success(t)
 
     def step(self, groups: list[Group], version: int) -> dict[str, float]:
         samples = self.samples(groups, version)
@@ -247,10 +259,7 @@ class Trainer:
 
     def _describe(self, samples: list[Sample]) -> dict[str, float]:
         valid = [s for s in samples if s.used]
-        success = [
-            _success(t.task, t.spec, [turn.action for turn in t.turns if turn.tool_call is None])
-            for t in (s.scored.trajectory for s in valid)
-        ]
+        success = [episode_success(s.scored.trajectory) for s in valid]
         return {
             "episodes": len(samples),
             **masked_by_cause([s.cause for s in samples]),
@@ -328,6 +337,9 @@ class SyntheticTrainer:
     def __init__(self, cfg: LearnerSettings) -> None:
         self.cfg = cfg
 
+    def admit(self, t: Trajectory) -> None:
+        """No model, no metric: every episode can take part."""
+
     def step(self, groups: list[Group], version: int) -> dict[str, float]:
         import time
 
@@ -358,9 +370,12 @@ class SyntheticTrainer:
         return None
 
 
-def _success(task: str, spec: dict[str, Any], actions: list[str]) -> bool:
-    """The task's success metric; False for a task this process cannot load."""
+def episode_success(t: Trajectory) -> bool:
+    """The task's success metric of an episode; False for a task this process cannot load.
+    Anything else the task's code raises propagates: the learner calls this on intake, where
+    it dead-letters the episode, so that a step never meets it."""
+    actions = [turn.action for turn in t.turns if turn.tool_call is None]
     try:
-        return plugins.task(task).success(spec, actions)
+        return plugins.task(t.task).success(t.spec, actions)
     except plugins.PluginError:
         return False

@@ -212,3 +212,58 @@ async def test_learner_abandons_a_group_one_of_whose_members_is_dead_lettered(tm
     assert learner.counters["abandoned_groups"] == 1  # "bad"/0 no longer holds offset 2
     assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
+
+
+async def test_learner_dead_letters_a_token_id_outside_its_models_vocabulary(tmp_path):
+    """Valid on the wire, such an episode failed the whole training step it landed in (an
+    embedding lookup out of range), again at every restart: a poison pill for the learner."""
+    from rlbus.services.learner.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    alien = _played("bad", 1)
+    (turn,) = alien.trajectory.turns
+    alien = alien.model_copy(update={"trajectory": alien.trajectory.model_copy(update={
+        "turns": [turn.model_copy(update={"completion_ids": [5, 10**6]})]})})
+    for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0), alien,
+              _played("run/1", 0), _played("run/1", 1)]:
+        await producer.send(T.scored, s)
+    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model,
+                               weights_dir=tmp_path / "weights"),
+                      MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([learner], lambda: learner.step >= 2
+                    and _committed(broker, "hb.learner", T.scored) == 6)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
+    assert letter.offset == 3 and "token id 1000000" in letter.error
+    assert "outside the model's vocabulary" in letter.error
+    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+
+
+async def test_learner_dead_letters_an_episode_whose_spec_breaks_its_success_metric(tmp_path):
+    """The training step computes each episode's success; a spec that makes the task's code
+    raise failed the whole step, at every restart. Now it is that episode's dead letter."""
+    from rlbus.services.learner.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0),
+              factories.scored("bad", 1),  # spec {"target": 3}: guess_number needs "low"
+              _played("run/1", 0), _played("run/1", 1)]:
+        await producer.send(T.scored, s)
+    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model,
+                               weights_dir=tmp_path / "weights"),
+                      MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([learner], lambda: learner.step >= 2
+                    and _committed(broker, "hb.learner", T.scored) == 6)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
+    assert letter.offset == 3 and letter.error == "KeyError: 'low'"
+    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+
+
+def _played(group: str, index: int) -> ScoredTrajectory:
+    """A scored guess_number episode with a spec the task can replay."""
+    s = factories.scored(group, index)
+    spec = GuessNumber().sample(random.Random(group))
+    return s.model_copy(update={"trajectory": s.trajectory.model_copy(update={"spec": spec})})
