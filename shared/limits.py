@@ -88,12 +88,20 @@ def check_step(r: StepRequest, limits: Limits) -> str | None:
     return None
 
 
-def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
-    """Why ``t`` must not be scored or trained on, or None."""
+def check_identity(t: Trajectory, limits: Limits) -> str | None:
+    """Why ``t`` cannot be a member of a group the learner would assemble, or None."""
     if t.group_size > limits.max_group_size:
         return _over("group_size", t.group_size, limits.max_group_size, "max_group_size")
     if t.index >= t.group_size:
         return f"episode index {t.index} is not below its group_size {t.group_size}"
+    return None
+
+
+def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
+    """Why ``t`` must not be scored or trained on, or None."""
+    why = check_identity(t, limits)
+    if why is not None:
+        return why
     if len(t.turns) > limits.max_turns:
         return _over("turns", len(t.turns), limits.max_turns, "max_turns")
     size = _spec_bytes(t.spec)

@@ -252,6 +252,13 @@ class Trajectory(Message):
     def min_version(self) -> int:
         return min((t.policy_version for t in self.turns), default=0)
 
+    def failed_stand_in(self, error: str) -> Trajectory:
+        """This episode as a failed one with none of its content (no turns, no spec): what a
+        tier passes on for an episode it dead-lettered, so that its group still completes,
+        with this member masked, instead of waiting for it for ever."""
+        return self.model_copy(update={"turns": [], "spec": {}, "status": "failed",
+                                       "error": error})
+
     @property
     def num_tokens(self) -> int:
         return sum(len(t.input_ids) + len(t.completion_ids) for t in self.turns)

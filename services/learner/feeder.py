@@ -38,7 +38,7 @@ class Feeder:
         self.total = settings.max_steps * settings.groups_per_step
         self._eval_published: set[int] = set()
         self._evaluated_upto = -1
-        self._evals: dict[int, list[ScoredTrajectory]] = {}  # eval round -> results so far
+        self._evals: dict[int, list[tuple[bool, float]]] = {}  # round -> (success, reward)
 
     def _spec(self, seed: str) -> dict[str, Any]:
         return {**self.task.sample(random.Random(seed)), **self.settings.task_spec}
@@ -84,18 +84,19 @@ class Feeder:
             log.warning("eval episode %s has no eval_round; ignored",
                         scored.trajectory.episode_id)
             return None
+        t = scored.trajectory
+        # scored now, on intake: a spec that breaks the task's code fails this episode only
+        won = t.status == "ok" and self.task.success(
+            t.spec, [turn.action for turn in t.turns if turn.tool_call is None])
         results = self._evals.setdefault(round_, [])
-        results.append(scored)
+        results.append((won, scored.reward))
         if len(results) < self.settings.eval_episodes:
             return None
         del self._evals[round_]
-        wins = [self.task.success(r.trajectory.spec,
-                                  [t.action for t in r.trajectory.turns if t.tool_call is None])
-                for r in results]
         figures = {
             "eval_at_step": round_,
-            "eval_success": sum(wins) / len(wins),
-            "eval_reward": sum(r.reward for r in results) / len(results),
+            "eval_success": sum(won for won, _ in results) / len(results),
+            "eval_reward": sum(reward for _, reward in results) / len(results),
         }
         log.info("eval at step %d: success %.3f", round_, figures["eval_success"])
         return figures

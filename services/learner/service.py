@@ -22,6 +22,7 @@ learner are masked and counted (``masked_stale``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbus import plugins, telemetry
-from rlbus.limits import check_scored
+from rlbus.limits import check_identity, check_scored
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, WeightVersion
 from rlbus.service import Service
 from rlbus.services.learner.feeder import Feeder
@@ -172,19 +173,32 @@ class Learner(Service[LearnerSettings]):
 
     async def _handle(self, d: Delivery[ScoredTrajectory]) -> None:
         """One scored episode into its group or its evaluation round. Dead-lettered (over
-        a limit, or its handling raised), it also ends its group: the group can never be
-        complete, and its members held so far would hold back every later commit."""
-        async with self.scored.handling(d) as outcome:
+        a limit, or its handling raised), a failed stand-in takes its place, so that the
+        group completes with this member masked instead of holding the others, and every
+        later commit, for ever; the record is acked with its group, so a restart before
+        that makes the same stand-in again. One that can be no group's member (a group of
+        10^9) ends its group."""
+        async with self.scored.handling(d, ack=False) as outcome:
             outcome.error = check_scored(d.message, self.settings.limits)
-            if outcome.error is not None:  # a group of 10^9 would wait for members forever
-                await self.scored.reject(d, outcome.error)
+            if outcome.error is not None:
+                await self.scored.reject(d, outcome.error, ack=False)
                 self.bump("rejected")
             else:
                 with d.processing():
                     self._take(d)
         if outcome.error is not None:
-            self._abandon(d.message.trajectory.group_id)
+            self._stand_in(d, outcome.error)
         self.count_input()
+
+    def _stand_in(self, d: Delivery[ScoredTrajectory], error: str) -> None:
+        t = d.message.trajectory
+        if check_identity(t, self.settings.limits) is not None:
+            self.scored.ack(d)
+            self._abandon(t.group_id)
+            return
+        stand_in = ScoredTrajectory(trajectory=t.failed_stand_in(error), reward=0.0,
+                                    valid=False, error=error)
+        self._take(dataclasses.replace(d, message=stand_in))
 
     def _take(self, d: Delivery[ScoredTrajectory]) -> None:
         if d.message.trajectory.purpose == "eval":

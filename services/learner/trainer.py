@@ -374,6 +374,8 @@ def episode_success(t: Trajectory) -> bool:
     """The task's success metric of an episode; False for a task this process cannot load.
     Anything else the task's code raises propagates: the learner calls this on intake, where
     it dead-letters the episode, so that a step never meets it."""
+    if t.status == "failed":  # a failed episode succeeds at nothing (a stand-in has no spec)
+        return False
     actions = [turn.action for turn in t.turns if turn.tool_call is None]
     try:
         return plugins.task(t.task).success(t.spec, actions)

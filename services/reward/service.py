@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from rlbus import plugins, telemetry
-from rlbus.limits import check_trajectory
+from rlbus.limits import check_identity, check_trajectory
 from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.service import Service
 from rlbus.services.reward.pool import VerifierFailed, VerifierPool
@@ -77,17 +77,27 @@ class Reward(Service[RewardSettings]):
         self.bump("reward_sum", sum(s.reward for _, s, _ in done if s.valid))
 
     async def _handle(self, d: Delivery[Trajectory]) -> tuple[ScoredTrajectory, Any] | None:
-        """One trajectory scored, or None: over a limit, or its handling raised (either
-        way dead-lettered and acked, and its offset commits with the batch's)."""
-        async with self.trajectories.handling(d):
-            why = check_trajectory(d.message, self.settings.limits)
-            if why is not None:
-                self.bump("rejected")
-                await self.trajectories.reject(d, why)
-                return None
-            span = d.start_span()
-            return await self._score(d, span), span
-        return None
+        """One trajectory scored. Over a limit, or its handling raised, it is dead-lettered
+        and acked (its offset commits with the batch's), and a failed stand-in is scored in
+        its place, so that its group completes at the learner with this member masked
+        rather than hold the others there for ever; None for one that can be no group's
+        member (a group of 10^9, an index past its group)."""
+        async with self.trajectories.handling(d) as outcome:
+            outcome.error = check_trajectory(d.message, self.settings.limits)
+            if outcome.error is None:
+                span = d.start_span()
+                return await self._score(d, span), span
+            self.bump("rejected")
+            await self.trajectories.reject(d, outcome.error)
+        return self._stand_in(d, outcome.error or "")
+
+    def _stand_in(self, d: Delivery[Trajectory], error: str
+                  ) -> tuple[ScoredTrajectory, Any] | None:
+        if check_identity(d.message, self.settings.limits) is not None:
+            return None
+        scored = ScoredTrajectory(trajectory=d.message.failed_stand_in(error), reward=0.0,
+                                  valid=False, error=error)
+        return scored, d.start_span()
 
     async def _send(self, d: Delivery[Trajectory], s: ScoredTrajectory) -> None:
         """Into the open transaction. A sample too large to publish (the verifier's info
@@ -96,7 +106,11 @@ class Reward(Service[RewardSettings]):
         try:
             await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
         except MessageTooLargeError as exc:
-            await self.trajectories.reject(d, failure_reason(exc))
+            error = failure_reason(exc)
+            await self.trajectories.reject(d, error)
+            stand_in = ScoredTrajectory(trajectory=s.trajectory.failed_stand_in(error),
+                                        reward=0.0, valid=False, error=error)
+            await self.producer.send(self.topics.scored, stand_in, key=s.trajectory.group_id)
 
     async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:
         with telemetry.use(span, end=False), telemetry.span("score", self.member) as s:

@@ -297,21 +297,24 @@ class Consumer(ABC, Generic[M]):
                 out[tp] = max(0, end - self.tracker.position(tp, end))
         return out
 
-    async def reject(self, delivery: Delivery[M], error: str) -> None:
+    async def reject(self, delivery: Delivery[M], error: str, *, ack: bool = True) -> None:
         """A decoded message this service refuses (over a limit, unknown task): to the
         dead-letter topic with ``error``, then acked, so the offset moves on and no member
-        reads it again."""
+        reads it again. ``ack=False``: the caller acks it once what it does instead is
+        durable (the learner, once the group of a stand-in for it is trained)."""
         log.warning("dead letter %s[%d]@%d: %s", delivery.topic, delivery.partition,
                     delivery.offset, error)
         if self.dlq is not None:
             raw = RawRecord(delivery.topic, delivery.partition, delivery.offset, delivery.key,
                             _payload(delivery.message), delivery.headers, delivery.timestamp_ms)
             await self.dlq.put(raw, error)
-        self.ack(delivery)
+        if ack:
+            self.ack(delivery)
 
     @contextlib.asynccontextmanager
     async def handling(self, delivery: Delivery[M], *,
-                       hand_back: Callable[[], bool] = lambda: False) -> AsyncIterator[Outcome]:
+                       hand_back: Callable[[], bool] = lambda: False,
+                       ack: bool = True) -> AsyncIterator[Outcome]:
         """The one boundary around the work on one delivery, in whichever task does it: an
         exception raised inside dead-letters the delivery with the exception's type and
         message (also left in the yielded :class:`Outcome`) and acks it, so the offset moves
@@ -319,7 +322,8 @@ class Consumer(ABC, Generic[M]):
         While ``hand_back()`` is true (a service draining) the exception propagates instead
         and the delivery stays unacked: the next owner of the partition handles it again.
         Cancellation always propagates. If the dead letter cannot be written (the broker is
-        gone), that error propagates: the caller stops rather than drop the delivery."""
+        gone), that error propagates: the caller stops rather than drop the delivery.
+        ``ack=False``: dead-lettered, it is left for the caller to ack (:meth:`reject`)."""
         outcome = Outcome()
         try:
             yield outcome
@@ -329,7 +333,7 @@ class Consumer(ABC, Generic[M]):
             log.error("handling %s[%d]@%d failed", delivery.topic, delivery.partition,
                       delivery.offset, exc_info=exc)
             outcome.error = failure_reason(exc)
-            await self.reject(delivery, outcome.error)
+            await self.reject(delivery, outcome.error, ack=ack)
 
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)

@@ -147,8 +147,13 @@ async def test_reward_dead_letters_a_trajectory_whose_scoring_raises():
     assert letter.error == "AttributeError: 'NoneType' object has no attribute 'verify'"
     assert letter.offset == 1
     assert reward.summary()["stop_reason"] == "test over"
-    assert {s.trajectory.group_id for s in read_log(broker, T.scored, ScoredTrajectory)} == {
-        "before", "after"}
+    scored = {s.trajectory.group_id: s for s in read_log(broker, T.scored, ScoredTrajectory)}
+    assert set(scored) == {"before", "cursed", "after"}
+    # in its place a failed stand-in: its group completes at the learner, this member masked
+    stand_in = scored["cursed"]
+    assert not stand_in.valid and stand_in.trajectory.status == "failed"
+    assert stand_in.trajectory.turns == [] and stand_in.trajectory.spec == {}
+    assert stand_in.error == letter.error and stand_in.trajectory.episode_id == "cursed/0"
 
 
 async def test_reward_dead_letters_token_ids_that_int32_cannot_hold():
@@ -193,7 +198,7 @@ async def test_learner_dead_letters_an_eval_episode_whose_success_check_raises(t
     assert letter.error.startswith("KeyError: ") and letter.offset == 2
 
 
-async def test_learner_abandons_a_group_one_of_whose_members_is_dead_lettered(tmp_path):
+async def test_learner_completes_the_group_of_a_dead_lettered_member_with_a_stand_in(tmp_path):
     broker = memory_broker(TOPICS)
     producer = await MemoryBus(broker).producer()
     long_one = factories.scored("bad", 1)
@@ -203,15 +208,36 @@ async def test_learner_abandons_a_group_one_of_whose_members_is_dead_lettered(tm
               factories.scored("bad", 0), long_one,  # over max_turns: a dead letter
               factories.scored("run/1", 0), factories.scored("run/1", 1)]:
         await producer.send(T.scored, s)
-    learner = Learner(_learner(tmp_path, limits=Limits(max_turns=2)),
+    learner = Learner(_learner(tmp_path, limits=Limits(max_turns=2), max_steps=3),
                       MemoryBus(broker, dlq_topic=T.dlq))
-    await run_until([learner], lambda: learner.step >= 2
+    await run_until([learner], lambda: learner.step >= 3
                     and _committed(broker, "hb.learner", T.scored) == 6)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "RLBUS_LIMITS__MAX_TURNS" in letter.error and letter.offset == 3
-    assert learner.counters["abandoned_groups"] == 1  # "bad"/0 no longer holds offset 2
-    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+    # "bad"/0 no longer holds offset 2: its group trained, the stand-in for "bad"/1 masked
+    assert sorted(learner.ledger[-3:]) == [["bad/0", "bad/1"], ["run/0/0", "run/0/1"],
+                                           ["run/1/0", "run/1/1"]]
+    assert learner.counters.get("abandoned_groups", 0) == 0
 
+
+async def test_learner_ends_the_group_of_a_member_that_can_be_no_groups_member(tmp_path):
+    """A group of 10^9 would wait for its members for ever: given up, not stood in for."""
+    broker = memory_broker(TOPICS)
+    producer = await MemoryBus(broker).producer()
+    huge = factories.scored("huge", 1)
+    huge = huge.model_copy(update={"trajectory": huge.trajectory.model_copy(
+        update={"group_size": 10**9})})
+    for s in [factories.scored("run/0", 0), factories.scored("huge", 0), huge,
+              factories.scored("run/0", 1), factories.scored("run/1", 0),
+              factories.scored("run/1", 1)]:
+        await producer.send(T.scored, s)
+    learner = Learner(_learner(tmp_path), MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([learner], lambda: learner.step >= 2
+                    and _committed(broker, "hb.learner", T.scored) == 6)
+    (letter,) = read_log(broker, T.dlq, DeadLetter)
+    assert "RLBUS_LIMITS__MAX_GROUP_SIZE" in letter.error and letter.offset == 2
+    assert learner.counters["abandoned_groups"] == 1  # "huge"/0 no longer holds offset 1
+    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
 
 async def test_learner_dead_letters_a_token_id_outside_its_models_vocabulary(tmp_path):
@@ -229,15 +255,15 @@ async def test_learner_dead_letters_a_token_id_outside_its_models_vocabulary(tmp
     for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0), alien,
               _played("run/1", 0), _played("run/1", 1)]:
         await producer.send(T.scored, s)
-    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model,
+    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model, max_steps=3,
                                weights_dir=tmp_path / "weights"),
                       MemoryBus(broker, dlq_topic=T.dlq))
-    await run_until([learner], lambda: learner.step >= 2
+    await run_until([learner], lambda: learner.step >= 3
                     and _committed(broker, "hb.learner", T.scored) == 6)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert letter.offset == 3 and "token id 1000000" in letter.error
     assert "outside the model's vocabulary" in letter.error
-    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+    assert sorted(learner.ledger[-3:])[1:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
 
 async def test_learner_dead_letters_an_episode_whose_spec_breaks_its_success_metric(tmp_path):
@@ -252,14 +278,14 @@ async def test_learner_dead_letters_an_episode_whose_spec_breaks_its_success_met
               factories.scored("bad", 1),  # spec {"target": 3}: guess_number needs "low"
               _played("run/1", 0), _played("run/1", 1)]:
         await producer.send(T.scored, s)
-    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model,
+    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model, max_steps=3,
                                weights_dir=tmp_path / "weights"),
                       MemoryBus(broker, dlq_topic=T.dlq))
-    await run_until([learner], lambda: learner.step >= 2
+    await run_until([learner], lambda: learner.step >= 3
                     and _committed(broker, "hb.learner", T.scored) == 6)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert letter.offset == 3 and letter.error == "KeyError: 'low'"
-    assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+    assert sorted(learner.ledger[-3:])[1:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
 
 def _played(group: str, index: int) -> ScoredTrajectory:
