@@ -207,7 +207,9 @@ class Rollout(Service[RolloutSettings]):
         """Every episode of the group, published. A group that crashes (a broker call that
         timed out, a bug) is tried again from the start, ``group_attempts`` times in all
         (episode ids are deterministic: the learner keeps one copy of each), then
-        dead-lettered: its prompt is never left unacked, so commits keep advancing."""
+        dead-lettered: its prompt is never left unacked, so commits keep advancing, and
+        every episode of it is published as failed, so the group completes (masked) at the
+        learner instead of holding there the members published before the crash."""
         prompt = d.message
         for attempt in range(1, self.settings.group_attempts + 1):
             try:
@@ -220,7 +222,18 @@ class Rollout(Service[RolloutSettings]):
                 log.error("prompt %s: %s", prompt.group_id, error, exc_info=exc)
                 if self.stopping:
                     raise  # unacked: the next owner of the partition rolls it out
+        await self._publish_failed_group(prompt, error[:500])
         await self._dead_letter(d, error[:500])
+
+    async def _publish_failed_group(self, prompt: Prompt, error: str) -> None:
+        """Every episode of a group given up, as failed and empty: the learner keeps the
+        first copy of each, so one published before the crash still counts."""
+        for i in range(prompt.group_size):
+            t = Trajectory(episode_id=f"{prompt.group_id}/{i}", group_id=prompt.group_id,
+                           index=i, group_size=prompt.group_size, task=prompt.task, spec={},
+                           turns=[], status="failed", error=error, purpose=prompt.purpose,
+                           eval_round=prompt.eval_round)
+            await self.producer.send(self.topics.trajectories, t, key=prompt.group_id)
 
     async def _traced_episode(self, task: Task, prompt: Prompt, index: int, parent: Any) -> None:
         """One episode = one trace: its root span covers every step request, environment
