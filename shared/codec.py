@@ -61,7 +61,8 @@ def decode(data: bytes, cls: type[M], limits: Limits = _DEFAULT_LIMITS) -> M:
 
 def unpack(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Any:
     """The msgpack object in ``data``, within the size, element and depth limits."""
-    sizes = limits.max_string_bytes
+    # unset: no string can be longer than the message that holds it
+    sizes = limits.max_string_bytes if limits.max_string_bytes is not None else len(data)
     try:
         raw = msgpack.unpackb(
             data, raw=False, strict_map_key=False,
@@ -72,7 +73,7 @@ def unpack(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Any:
         raise DecodeError(f"nested deeper than the unpacker's stack, over the limit "
                           f"{limits.max_depth} (RLBUS_LIMITS__MAX_DEPTH)") from exc
     except Exception as exc:
-        raise DecodeError(_unpack_failure(exc, limits)) from exc
+        raise DecodeError(_unpack_failure(exc, limits, len(data))) from exc
     why = shape_error(raw, limits)
     if why is not None:
         raise DecodeError(why)
@@ -99,11 +100,12 @@ def shape_error(obj: Any, limits: Limits) -> str | None:
     return None
 
 
-def _unpack_failure(exc: Exception, limits: Limits) -> str:
+def _unpack_failure(exc: Exception, limits: Limits, size: int) -> str:
     text = str(exc)
     for argument, setting in _UNPACKER_LIMITS.items():
         if argument in text:
-            return (f"{text}: over the limit {getattr(limits, setting)} "
+            limit = getattr(limits, setting)
+            return (f"{text}: over the limit {size if limit is None else limit} "
                     f"(RLBUS_LIMITS__{setting.upper()})")
     return f"not msgpack: {type(exc).__name__}: {text}"
 

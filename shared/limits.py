@@ -40,13 +40,16 @@ class Limits(BaseModel):
     largest one collection may declare, refused by the unpacker before it allocates. Our
     messages carry token ids as packed binaries (one element); a producer that sends them
     as msgpack arrays counts one element a token."""
-    max_string_bytes: int = Field(default=1 << 20, ge=1024)
-    """Bytes of one string or binary value (a packed token array is one binary: 4 bytes a
-    token, so at least ``4 * max_input_tokens``)."""
+    max_string_bytes: int | None = Field(default=None, ge=1024)
+    """Bytes of one string or binary value; unset, as many as its message holds (the topic's
+    ``max_message_bytes`` bounds that already, and a string costs no more memory than its
+    bytes). Set, at least ``4 * max_input_tokens``: a packed token array is one binary, 4
+    bytes a token."""
 
     @model_validator(mode="after")
     def _tokens_fit_a_binary(self) -> Limits:
-        if self.max_string_bytes < 4 * self.max_input_tokens:
+        if self.max_string_bytes is not None and \
+                self.max_string_bytes < 4 * self.max_input_tokens:
             raise ValueError(
                 f"max_string_bytes {self.max_string_bytes} cannot hold a packed context of "
                 f"max_input_tokens {self.max_input_tokens} (4 bytes a token)")

@@ -23,7 +23,8 @@ from rlbus.limits import Limits, check_prompt, check_scored, check_step, check_t
 from rlbus.messages import Message, Prompt, Sampling, ScoredTrajectory, StepRequest, Trajectory
 from tests import factories
 
-LIMITS = Limits()
+LIMITS = Limits(max_string_bytes=1 << 20)
+"""As an operator would set them: strings bounded below the message size (unset by default)."""
 HOLE = "\x00hostile\x00"
 HOLE_PACKED = msgpack.packb(HOLE)
 
@@ -253,7 +254,7 @@ def test_the_deepest_spec_allowed_still_decodes_and_checks():
 ])
 def test_sizes_over_a_limit_are_refused_before_allocation_naming_the_setting(value, setting):
     with pytest.raises(DecodeError, match=f"over the limit .*RLBUS_LIMITS__{setting}"):
-        decode(_with_spec(value), Prompt)
+        decode(_with_spec(value), Prompt, LIMITS)
 
 
 def test_elements_are_counted_over_the_whole_message():
@@ -277,5 +278,6 @@ def test_values_a_wire_type_cannot_hold_are_refused_on_decode():
 
 def test_a_limit_set_too_low_for_a_packed_context_is_a_settings_error():
     with pytest.raises(ValueError, match="cannot hold a packed context"):
-        Limits(max_input_tokens=1_000_000)
+        Limits(max_input_tokens=1_000_000, max_string_bytes=1 << 20)
     assert Limits(max_input_tokens=1_000_000, max_string_bytes=4_000_000)
+    assert Limits(max_input_tokens=1_000_000)  # unset: as large as the message
