@@ -240,42 +240,28 @@ async def test_learner_ends_the_group_of_a_member_that_can_be_no_groups_member(t
     assert learner.ledger[-2:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
 
-async def test_learner_dead_letters_a_token_id_outside_its_models_vocabulary(tmp_path):
-    """Valid on the wire, such an episode failed the whole training step it landed in (an
-    embedding lookup out of range), again at every restart: a poison pill for the learner."""
-    from rlbus.services.learner.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "model")
-    broker = memory_broker(TOPICS)
-    producer = await MemoryBus(broker).producer()
-    alien = _played("bad", 1)
-    (turn,) = alien.trajectory.turns
-    alien = alien.model_copy(update={"trajectory": alien.trajectory.model_copy(update={
+def _alien_token() -> ScoredTrajectory:
+    s = _played("bad", 1)
+    (turn,) = s.trajectory.turns
+    return s.model_copy(update={"trajectory": s.trajectory.model_copy(update={
         "turns": [turn.model_copy(update={"completion_ids": [5, 10**6]})]})})
-    for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0), alien,
-              _played("run/1", 0), _played("run/1", 1)]:
-        await producer.send(T.scored, s)
-    learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model, max_steps=3,
-                               weights_dir=tmp_path / "weights"),
-                      MemoryBus(broker, dlq_topic=T.dlq))
-    await run_until([learner], lambda: learner.step >= 3
-                    and _committed(broker, "hb.learner", T.scored) == 6)
-    (letter,) = read_log(broker, T.dlq, DeadLetter)
-    assert letter.offset == 3 and "token id 1000000" in letter.error
-    assert "outside the model's vocabulary" in letter.error
-    assert sorted(learner.ledger[-3:])[1:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
 
 
-async def test_learner_dead_letters_an_episode_whose_spec_breaks_its_success_metric(tmp_path):
-    """The training step computes each episode's success; a spec that makes the task's code
-    raise failed the whole step, at every restart. Now it is that episode's dead letter."""
+@pytest.mark.parametrize(("bad", "reason"), [
+    # valid on the wire, it failed the training step it landed in (an embedding lookup out
+    # of range), again at every restart: a poison pill for the learner
+    (_alien_token, "ValueError: turn 0 completion_ids holds token id 1000000, outside the "
+                   "model's vocabulary of 121"),
+    # the step computes each episode's success: a spec that makes the task's code raise
+    (lambda: factories.scored("bad", 1), "KeyError: 'low'"),  # guess_number needs "low"
+], ids=["token-past-the-vocabulary", "spec-that-breaks-success"])
+async def test_learner_admits_each_episode_before_it_can_fail_a_step(bad, reason, tmp_path):
     from rlbus.services.learner.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model")
     broker = memory_broker(TOPICS)
     producer = await MemoryBus(broker).producer()
-    for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0),
-              factories.scored("bad", 1),  # spec {"target": 3}: guess_number needs "low"
+    for s in [_played("run/0", 0), _played("run/0", 1), _played("bad", 0), bad(),
               _played("run/1", 0), _played("run/1", 1)]:
         await producer.send(T.scored, s)
     learner = Learner(_learner(tmp_path, trainer="grpo", model_path=model, max_steps=3,
@@ -284,8 +270,10 @@ async def test_learner_dead_letters_an_episode_whose_spec_breaks_its_success_met
     await run_until([learner], lambda: learner.step >= 3
                     and _committed(broker, "hb.learner", T.scored) == 6)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
-    assert letter.offset == 3 and letter.error == "KeyError: 'low'"
-    assert sorted(learner.ledger[-3:])[1:] == [["run/0/0", "run/0/1"], ["run/1/0", "run/1/1"]]
+    assert letter.offset == 3 and letter.error == reason
+    # "bad" trained too, its dead-lettered member as a masked stand-in
+    assert sorted(learner.ledger[-3:]) == [["bad/0", "bad/1"], ["run/0/0", "run/0/1"],
+                                           ["run/1/0", "run/1/1"]]
 
 
 def _played(group: str, index: int) -> ScoredTrajectory:
