@@ -70,7 +70,12 @@ class _StopCancelled(_AiokafkaConsumer):
 
 
 class _StopHangs(_AiokafkaConsumer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = asyncio.Event()
+
     async def stop(self) -> None:
+        self.stopping.set()
         await asyncio.Event().wait()
 
 
@@ -81,9 +86,9 @@ async def test_a_client_whose_stop_raises_its_own_cancellation_is_abandoned_not_
     await consumer.close()  # returns: the caller was not cancelled
     assert consumer.closed
 
-    hanging = KafkaConsumer(_StopHangs(), Prompt, None, timeout_s=60)
-    task = asyncio.create_task(hanging.close())
-    await asyncio.sleep(0.05)  # inside stop()
-    task.cancel()  # our own cancellation still ends the task
+    client = _StopHangs()
+    task = asyncio.create_task(KafkaConsumer(client, Prompt, None, timeout_s=60).close())
+    await asyncio.wait_for(client.stopping.wait(), 30)
+    task.cancel()  # inside stop(): our own cancellation still ends the task
     with pytest.raises(asyncio.CancelledError):
         await task
