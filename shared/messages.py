@@ -285,6 +285,12 @@ class ScoredTrajectory(Message):
     info: dict[str, Any] = {}
     """What the verifier reported besides the reward (its Verdict's info)."""
 
+    @classmethod
+    def failed_stand_in(cls, t: Trajectory, error: str) -> ScoredTrajectory:
+        """A masked stand-in for episode ``t``, dead-lettered by a tier: see
+        :meth:`Trajectory.failed_stand_in`."""
+        return cls(trajectory=t.failed_stand_in(error), reward=0.0, valid=False, error=error)
+
     @field_validator("reward")
     @classmethod
     def _finite(cls, v: float) -> float:

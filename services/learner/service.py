@@ -196,8 +196,7 @@ class Learner(Service[LearnerSettings]):
             self.scored.ack(d)
             self._abandon(t.group_id)
             return
-        stand_in = ScoredTrajectory(trajectory=t.failed_stand_in(error), reward=0.0,
-                                    valid=False, error=error)
+        stand_in = ScoredTrajectory.failed_stand_in(t, error)
         self._take(dataclasses.replace(d, message=stand_in))
 
     def _take(self, d: Delivery[ScoredTrajectory]) -> None:

@@ -95,9 +95,7 @@ class Reward(Service[RewardSettings]):
                   ) -> tuple[ScoredTrajectory, Any] | None:
         if check_identity(d.message, self.settings.limits) is not None:
             return None
-        scored = ScoredTrajectory(trajectory=d.message.failed_stand_in(error), reward=0.0,
-                                  valid=False, error=error)
-        return scored, d.start_span()
+        return ScoredTrajectory.failed_stand_in(d.message, error), d.start_span()
 
     async def _send(self, d: Delivery[Trajectory], s: ScoredTrajectory) -> None:
         """Into the open transaction. A sample too large to publish (the verifier's info
@@ -108,8 +106,7 @@ class Reward(Service[RewardSettings]):
         except MessageTooLargeError as exc:
             error = failure_reason(exc)
             await self.trajectories.reject(d, error)
-            stand_in = ScoredTrajectory(trajectory=s.trajectory.failed_stand_in(error),
-                                        reward=0.0, valid=False, error=error)
+            stand_in = ScoredTrajectory.failed_stand_in(s.trajectory, error)
             await self.producer.send(self.topics.scored, stand_in, key=s.trajectory.group_id)
 
     async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:

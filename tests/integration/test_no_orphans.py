@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.services.ops.launcher import child_env
-from tests.support.processes import alive, cmdline, descendants, wait_until
+from tests.polling import wait_until_sync
+from tests.support.processes import alive, cmdline, descendants
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -102,7 +103,7 @@ def test_a_killed_load_test_leaves_nothing_behind(tmp_path):
     proc = _start([sys.executable, "-m", "loadtest", "--smoke", "--out", str(tmp_path / "lt")],
                   "decoupled arm", log, timeout=120)
     logs = tmp_path / "lt"
-    wait_until(lambda: any("reads replies on partition" in p.read_text(errors="replace")
-                           for p in logs.rglob("rollout-*.log")) or proc.poll() is not None,
-               120, "the load test's rollout subscribed (its fleet running episodes)")
+    wait_until_sync(lambda: any("reads replies on partition" in p.read_text(errors="replace")
+                                for p in logs.rglob("rollout-*.log")) or proc.poll() is not None,
+                    "the load test's rollout subscribed (its fleet running episodes)", 120)
     _kill_and_check(proc, signal.SIGKILL, log)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 
@@ -49,12 +47,3 @@ def with_token(token: str) -> set[int]:
     """Live processes whose command line holds ``token``, whoever their parent is now."""
     return alive({p for p in table() if p != os.getpid() and token in cmdline(p)})
 
-
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str,
-               every_s: float = 0.1) -> None:
-    """Poll ``condition`` until it is true; fail after ``timeout_s`` naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(every_s)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.services.ops.launcher import child_env, spawn_process
-from tests.support.processes import wait_until, with_token
+from tests.polling import wait_until_sync
+from tests.support.processes import with_token
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal: Linux")
 
@@ -96,4 +97,4 @@ def _read(path: Path) -> str:
 
 
 def _wait(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    wait_until(condition, timeout_s, what, every_s=0.02)
+    wait_until_sync(condition, what, timeout_s, every_s=0.02)
