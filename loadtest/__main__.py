@@ -51,7 +51,7 @@ def run_part(part: str, args: argparse.Namespace, bootstrap: str, out: Path) -> 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     out = report.output_folder(args.out, "loadtest")
-    from rlbus.services.ops.broker import bootstrap_or_start
+    from rlbus.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "out": str(out)}
     suite.say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")

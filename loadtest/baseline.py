@@ -20,11 +20,11 @@ from loadtest.metrics import ArmResult
 from loadtest.scenario import Scenario
 from rlbus.agent import MultiTurnAgent
 from rlbus.api import Episode, Generation, TaskSpec
+from rlbus.inference.engines import Completion, Engine, SyntheticEngine
+from rlbus.inference.settings import InferenceSettings, SyntheticEngineSettings
 from rlbus.messages import Sampling
-from rlbus.services.inference.engines import Completion, Engine, SyntheticEngine
-from rlbus.services.inference.settings import InferenceSettings, SyntheticEngineSettings
-from rlbus.services.rollout.service import SyntheticTokenizer
-from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.rollout.service import SyntheticTokenizer
+from rlbus.rollout.settings import RolloutSettings
 from rlbus.synthetic import SyntheticTask
 
 

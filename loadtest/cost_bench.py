@@ -391,7 +391,7 @@ async def one_round(model: Any, folder: Path, version: int, producer: Producer,
     """The learner's side, the event, then the replica's side, each timed."""
     from safetensors.torch import load_model
 
-    from rlbus.services.learner import store
+    from rlbus.learner import store
     from rlbus.weights import verified_weights
 
     with hash_timer(store) as hashes:
@@ -561,7 +561,7 @@ def run_part(part: str, args: argparse.Namespace, bench: Bench) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     out = report.output_folder(args.out, "cost")
-    from rlbus.services.ops.broker import bootstrap_or_start
+    from rlbus.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:],
                                "smoke": args.smoke}

@@ -1,4 +1,4 @@
-"""The decoupled arm: the four services as ``python -m rlbus.services.<name>`` processes over Kafka.
+"""The decoupled arm: the four services as ``python -m rlbus.<name>`` processes over Kafka.
 
 Each run gets a fresh topic prefix and fresh consumer-group names, so runs sharing one broker
 never see each other's records or group members. Every process is stopped when the
@@ -24,7 +24,7 @@ from types import TracebackType
 
 from loadtest.metrics import ArmResult, masked, read_rows
 from loadtest.scenario import Scenario
-from rlbus.services.ops.launcher import Proc, ServiceProcesses, child_env
+from rlbus.ops.launcher import Proc, ServiceProcesses, child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import ensure_topics
 

@@ -27,13 +27,13 @@ from typing import Any
 import openai
 
 from rlbus.api import ChatAgent, ChatSession
+from rlbus.inference.service import Inference
+from rlbus.inference.settings import InferenceSettings
+from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Prompt, Sampling
-from rlbus.services.inference.service import Inference
-from rlbus.services.inference.settings import InferenceSettings
-from rlbus.services.learner.chat_model import build_chat_model
-from rlbus.services.ops.broker import bootstrap_or_start
-from rlbus.services.rollout.service import KafkaPolicy, Rollout
-from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.ops.broker import bootstrap_or_start
+from rlbus.rollout.service import KafkaPolicy, Rollout
+from rlbus.rollout.settings import RolloutSettings
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus

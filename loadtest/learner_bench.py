@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbus.services.ops.launcher import die_with_parent
+from rlbus.ops.launcher import die_with_parent
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "naive": {},
@@ -75,8 +75,8 @@ def child(variant: str, folder: Path, steps: int, threads: int | None) -> dict[s
     """One variant's steps in this process; its figures."""
     import torch
 
-    from rlbus.services.learner.settings import LearnerSettings
-    from rlbus.services.learner.trainer import Trainer
+    from rlbus.learner.settings import LearnerSettings
+    from rlbus.learner.trainer import Trainer
 
     cfg = LearnerSettings(model_path=folder, torch_threads=threads, **VARIANTS[variant])
     trainer = Trainer(cfg)
@@ -97,7 +97,7 @@ def _naive(trainer: Any) -> Any:
     """The learner's step as it was: one batch, full fp32 logits, entropy always."""
     import torch
 
-    from rlbus.services.learner.grpo import collate, policy_loss
+    from rlbus.learner.grpo import collate, policy_loss
 
     def optimize(work: list[Any]) -> dict[str, float]:
         b = collate([w[0] for w in work], [w[1] for w in work], [w[2] for w in work], 0)

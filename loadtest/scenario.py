@@ -40,7 +40,7 @@ class _Section(BaseModel):
 
 
 class Engine(_Section):
-    """The synthetic engine's latency model (services/inference/settings.py)."""
+    """The synthetic engine's latency model (services/rlbus/inference/settings.py)."""
 
     base_ms: float = Field(default=2.0, ge=0)
     per_token_ms: float = Field(default=0.25, ge=0)
@@ -80,7 +80,7 @@ class Scenario(_Section):
     learner_step_s: float = Field(default=0.5, ge=0)
     max_new_tokens: int = Field(default=8, ge=1)
     env: dict[str, Any] = {}
-    """Task spec keys of the synthetic environment (shared/synthetic.py DEFAULTS)."""
+    """Task spec keys of the synthetic environment (shared/rlbus/synthetic.py DEFAULTS)."""
     engine: Engine = Engine()
     rollout: Rollout = Rollout()
     inference: Inference = Inference()

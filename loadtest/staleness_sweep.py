@@ -115,7 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     out = report.output_folder(args.out, "sweep")
-    from rlbus.services.ops.broker import bootstrap_or_start
+    from rlbus.ops.broker import bootstrap_or_start
 
     results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "runs": []}
     say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")

@@ -114,7 +114,7 @@ ensure_images() {
   cp /etc/ssl/certs/ca-certificates.crt "$py/"
   build_image "$PYTHON_IMAGE" "$py" tests/compose/python/Dockerfile
 
-  lib=$(.venv/bin/python -c 'from rlbus.services.ops.broker import resolve_jars; print(resolve_jars())')
+  lib=$(.venv/bin/python -c 'from rlbus.ops.broker import resolve_jars; print(resolve_jars())')
   cp "$lib"/*.jar "$kafka/libs/"
   mvn -q -B dependency:copy -Dartifact="org.apache.kafka:kafka-tools:$KAFKA_VERSION" \
     -DoutputDirectory="$kafka/libs" >"$BUILD/mvn.log" 2>&1 ||
@@ -124,7 +124,7 @@ ensure_images() {
 }
 
 # The broker's Kafka version and jars, as `make jars` resolved them.
-KAFKA_VERSION=$(.venv/bin/python -c 'from rlbus.services.ops.broker import KAFKA_VERSION as v; print(v)')
+KAFKA_VERSION=$(.venv/bin/python -c 'from rlbus.ops.broker import KAFKA_VERSION as v; print(v)')
 KAFKA_IMAGE=rlbus-local/kafka:$KAFKA_VERSION
 
 ensure_daemon

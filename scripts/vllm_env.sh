@@ -85,7 +85,7 @@ import sys
 import torch
 import vllm
 
-import rlbus.services.inference.vllm_engine  # noqa: F401
+import rlbus.inference.vllm_engine  # noqa: F401
 
 cuda = torch.cuda.is_available()
 print("vllm", vllm.__version__, "| torch", torch.__version__, "| cuda", cuda)

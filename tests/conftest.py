@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rlbus.services.ops.broker import LocalCluster, bootstrap_or_start
+from rlbus.ops.broker import LocalCluster, bootstrap_or_start
 
 
 @pytest.fixture(scope="session")

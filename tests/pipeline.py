@@ -6,14 +6,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rlbus.services.inference.service import Inference
-from rlbus.services.inference.settings import InferenceSettings
-from rlbus.services.learner.service import Learner
-from rlbus.services.learner.settings import LearnerSettings
-from rlbus.services.reward.service import Reward
-from rlbus.services.reward.settings import RewardSettings
-from rlbus.services.rollout.service import Rollout
-from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.inference.service import Inference
+from rlbus.inference.settings import InferenceSettings
+from rlbus.learner.service import Learner
+from rlbus.learner.settings import LearnerSettings
+from rlbus.reward.service import Reward
+from rlbus.reward.settings import RewardSettings
+from rlbus.rollout.service import Rollout
+from rlbus.rollout.settings import RolloutSettings
 from rlbus.transport import Bus
 
 

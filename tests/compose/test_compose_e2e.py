@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from rlbus.services.ops.broker import KAFKA_VERSION
+from rlbus.ops.broker import KAFKA_VERSION
 from tests.support.ledger import check_ledger, expected_episodes, load_ledger
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]

@@ -1,4 +1,4 @@
-"""The native Kafka broker (services/ops/broker/) against real JVMs, through aiokafka."""
+"""The native Kafka broker (services/rlbus/ops/broker/) against real JVMs, through aiokafka."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from rlbus.services.ops.broker import LocalCluster, describe_broker_ids, free_port_pairs, main
-from rlbus.services.ops.broker.cluster import _new_cluster_id
+from rlbus.ops.broker import LocalCluster, describe_broker_ids, free_port_pairs, main
+from rlbus.ops.broker.cluster import _new_cluster_id
 
 pytestmark = pytest.mark.kafka
 

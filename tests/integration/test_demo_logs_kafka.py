@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from rlbus.services.ops.launcher import child_env
+from rlbus.ops.launcher import child_env
 
 STEPS = 30
 KAFKA_CLIENT_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) ((?:aio)?kafka\S*): (.*)$")
@@ -41,7 +41,7 @@ def test_a_clean_demo_run_logs_no_traceback_no_progress_bar_and_no_retry_storm(
 ):
     run = tmp_path / unique_name("quiet")  # the demo's topics are demo-<run folder name>
     done = subprocess.run(
-        [sys.executable, "-m", "rlbus.services.ops.cli", "demo", "--steps", str(STEPS),
+        [sys.executable, "-m", "rlbus.ops.cli", "demo", "--steps", str(STEPS),
          "--no-progress", "--run-dir", str(run)],
         env=child_env({"RLBUS_KAFKA_BOOTSTRAP": kafka_bootstrap}),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,

@@ -16,10 +16,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from rlbus.codec import decode
+from rlbus.learner.chat_model import build_chat_model
+from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import ScoredTrajectory
-from rlbus.services.learner.chat_model import build_chat_model
-from rlbus.services.learner.tiny_model import build_tiny_model
-from rlbus.services.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.ops.launcher import ServiceProcesses, child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from rlbus.api import ChatAgent, ChatSession
-from rlbus.services.learner.chat_model import build_chat_model
+from rlbus.learner.chat_model import build_chat_model
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus
@@ -90,8 +90,8 @@ async def test_an_openai_agent_trains_through_the_gateway(kafka_bootstrap, uniqu
 
 
 async def test_a_chat_agent_needs_the_policy_tokenizer(unique_name):
-    from rlbus.services.rollout.service import Rollout
-    from rlbus.services.rollout.settings import RolloutSettings
+    from rlbus.rollout.service import Rollout
+    from rlbus.rollout.settings import RolloutSettings
     from rlbus.topics import memory_broker
     from rlbus.transport import MemoryBus
 
@@ -116,10 +116,10 @@ class Idle(ChatAgent):
 async def served(kafka_bootstrap, unique_name, chat_model):
     """A rollout instance with its gateway, and an inference replica (synthetic engine,
     400 ms a batch, so a call can be interrupted), over the real broker."""
-    from rlbus.services.inference.service import Inference
-    from rlbus.services.inference.settings import InferenceSettings
-    from rlbus.services.rollout.service import Rollout
-    from rlbus.services.rollout.settings import RolloutSettings
+    from rlbus.inference.service import Inference
+    from rlbus.inference.settings import InferenceSettings
+    from rlbus.rollout.service import Rollout
+    from rlbus.rollout.settings import RolloutSettings
 
     kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
     topics = TopicSettings(prefix=unique_name("gwe"), partitions=1, result_partitions=1)
@@ -145,7 +145,7 @@ async def served(kafka_bootstrap, unique_name, chat_model):
 
 def _session(rollout, name: str):
     from rlbus.messages import Prompt, Sampling
-    from rlbus.services.rollout.service import KafkaPolicy
+    from rlbus.rollout.service import KafkaPolicy
 
     prompt = Prompt(group_id=name, task="guess_number", spec={}, group_size=1,
                     sampling=Sampling(max_new_tokens=8))
@@ -233,11 +233,11 @@ TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</too
 
 
 async def test_a_tool_round_trip_over_kafka(kafka_bootstrap, unique_name, tool_caller):
+    from rlbus.inference.service import Inference
+    from rlbus.inference.settings import InferenceSettings
     from rlbus.messages import Prompt, Sampling
-    from rlbus.services.inference.service import Inference
-    from rlbus.services.inference.settings import InferenceSettings
-    from rlbus.services.rollout.service import KafkaPolicy, Rollout
-    from rlbus.services.rollout.settings import RolloutSettings
+    from rlbus.rollout.service import KafkaPolicy, Rollout
+    from rlbus.rollout.settings import RolloutSettings
 
     kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
     topics = TopicSettings(prefix=unique_name("gwt"), partitions=1, result_partitions=1)

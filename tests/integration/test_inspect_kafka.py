@@ -11,8 +11,8 @@ import pytest
 
 from rlbus.codec import encode
 from rlbus.messages import Prompt, StepRequest, Trajectory
-from rlbus.services.ops import inspection
-from rlbus.services.ops.launcher import child_env
+from rlbus.ops import inspection
+from rlbus.ops.launcher import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus, RawRecord
@@ -122,7 +122,7 @@ async def _replay_cli(kafka_bootstrap, topics, *args):
         {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rlbus.services.ops.cli", "replay", *args, env=env_vars,
+        sys.executable, "-m", "rlbus.ops.cli", "replay", *args, env=env_vars,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await proc.communicate()
@@ -174,7 +174,7 @@ async def test_trace_gathers_one_episode_across_topics(env):
 
 
 async def test_status_reports_lag_per_group_and_topic(env, unique_name):
-    from rlbus.services.ops.status import sample, table
+    from rlbus.ops.status import sample, table
 
     bus, topics = env
     p = await bus.producer()
@@ -203,7 +203,7 @@ async def test_status_reports_lag_per_group_and_topic(env, unique_name):
 
 
 async def test_status_reads_what_trained_from_the_newest_weight_version(env):
-    from rlbus.services.ops.status import sample
+    from rlbus.ops.status import sample
 
     bus, topics = env
     p = await bus.producer()
@@ -231,7 +231,7 @@ async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "rlbus.services.ops.cli",
+        "rlbus.ops.cli",
         "feed",
         str(path),
         "--group-size",

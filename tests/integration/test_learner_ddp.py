@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlbus.inference.service import Inference
+from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import WeightVersion
-from rlbus.services.inference.service import Inference
-from rlbus.services.learner.tiny_model import build_tiny_model
-from rlbus.services.ops.launcher import child_env, spawn_process, tail
-from rlbus.services.reward.service import Reward
-from rlbus.services.rollout.service import Rollout
+from rlbus.ops.launcher import child_env, spawn_process, tail
+from rlbus.reward.service import Reward
+from rlbus.rollout.service import Rollout
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus
@@ -72,7 +72,7 @@ def test_two_ranks_train_what_one_process_trains(model: Path, tmp_path: Path, no
 @pytest.mark.kafka
 async def test_torchrun_learner_publishes_and_checkpoints_once(
         kafka_bootstrap: str, unique_name, model: Path, tmp_path: Path) -> None:
-    """``torchrun --nproc_per_node 2 -m rlbus.services.learner`` against the broker: rank 0
+    """``torchrun --nproc_per_node 2 -m rlbus.learner`` against the broker: rank 0
     alone reads, checkpoints and publishes (versions 1 and 2, once each); rank 1 trains both
     steps and exits when rank 0 does."""
     kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
@@ -93,7 +93,7 @@ async def test_torchrun_learner_publishes_and_checkpoints_once(
         "RLBUS_METRICS_FILE": str(tmp_path / "metrics.jsonl"), "RLBUS_LOG_LEVEL": "INFO",
     })
     log = tmp_path / "learner.log"
-    learner = spawn_process([*TORCHRUN, "-m", "rlbus.services.learner"], env, log)
+    learner = spawn_process([*TORCHRUN, "-m", "rlbus.learner"], env, log)
     try:
         deadline = time.monotonic() + 240
         while learner.poll() is None:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlbus.services.ops.launcher import ServiceProcesses, child_env
+from rlbus.ops.launcher import ServiceProcesses, child_env
 from tests.polling import wait_until_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -25,7 +25,7 @@ def test_sigterm_drains_and_exits_cleanly(kafka_bootstrap, unique_name, tmp_path
         }.get(service, {})
     )
     subprocess.run(
-        [sys.executable, "-m", "rlbus.services.ops.cli", "topics", "create"],
+        [sys.executable, "-m", "rlbus.ops.cli", "topics", "create"],
         env=env,
         check=True,
         capture_output=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.services.ops.launcher import child_env
+from rlbus.ops.launcher import child_env
 from tests.polling import wait_until_sync
 from tests.support.processes import alive, cmdline, descendants
 
@@ -68,11 +68,11 @@ def _kill_and_check(proc: subprocess.Popen, sig: signal.Signals, log: Path,
                          ids=lambda s: s.name)
 def test_the_demo_leaves_nothing_behind(sig, tmp_path):
     log = tmp_path / "demo.log"
-    proc = _start([sys.executable, "-m", "rlbus.services.ops.cli", "demo", "--steps", "500",
+    proc = _start([sys.executable, "-m", "rlbus.ops.cli", "demo", "--steps", "500",
                    "--no-progress", "--run-dir", str(tmp_path / "run")], "launched", log)
     # Killed at once: the services were forked a moment ago and are importing torch or
     # connecting: mid-start is the worst case. (A child still between fork and exec when its
-    # parent dies: tests/unit/test_launcher.py.)
+    # parent dies: tests/unit/ops/test_launcher.py.)
     _kill_and_check(proc, sig, log)
 
 

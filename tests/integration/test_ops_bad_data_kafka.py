@@ -20,7 +20,7 @@ from aiokafka.structs import TopicPartition
 
 from rlbus.codec import encode
 from rlbus.messages import DeadLetter
-from rlbus.services.ops.launcher import child_env
+from rlbus.ops.launcher import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from tests import factories
@@ -86,7 +86,7 @@ async def _commit_as(bootstrap: str, group: str, tp: TopicPartition, offset: int
 async def rlbus(env: dict[str, str], *args: str) -> str:
     """Run ``rlbus ARGS`` as a subprocess (stdout a pipe, not a terminal); its stdout."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rlbus.services.ops.cli", *args, env=env,
+        sys.executable, "-m", "rlbus.ops.cli", *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 120)

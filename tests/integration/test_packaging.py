@@ -7,8 +7,8 @@ the console script works, and that no module needs the folder names ``shared``/`
 Offline and quick (measured: about 7-13 s in all, most of it importing torch and
 transformers; the wheel builds in ~1.5 s, the venv and install take under a second):
 
-* the wheel is built with ``--no-build-isolation --no-index``: setuptools (>=77, the
-  build-system requirement) is already in the test venv, so nothing is fetched;
+* the wheel is built with ``--no-build-isolation --no-index``: hatchling (the build-system
+  requirement) is already in the test venv (the dev extra), so nothing is fetched;
 * the fresh venv is made ``--without-pip`` (ensurepip alone takes seconds) and the test venv's
   pip installs into it with ``pip --python <fresh python>``: pip then installs for that
   interpreter (its site-packages, console scripts with its shebang), the simplest way to get
@@ -65,12 +65,12 @@ for ep in dist.entry_points:
 
 from importlib import resources
 try:
-    pom = resources.files("rlbus.services.ops.broker") / "pom.xml"
+    pom = resources.files("rlbus.ops.broker") / "pom.xml"
     has_pom = pom.is_file() and "<project" in pom.read_text()
 except ImportError:  # the package itself is missing; "failed" already names it
     has_pom = False
 print(json.dumps({
-    "file": rlbus.__file__,
+    "paths": list(rlbus.__path__),  # a namespace package: folders, no __init__ file
     "dist": str(dist.locate_file("rlbus")),
     "entry_points": entry_points,
     "modules": names,
@@ -94,9 +94,9 @@ def installed(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("wheel")
     timings = {}
 
-    # Build from a copy: building in the checkout writes build/ and *.egg-info there (under a
-    # colleague's feet), and a stale build/lib can carry removed or unlisted modules into
-    # the wheel, hiding exactly what this test looks for.
+    # Build from a copy of what the image holds: the wheel must come from shared/ and
+    # services/ alone, and nothing a build leaves in the checkout lands under a colleague's
+    # feet.
     started = time.perf_counter()
     src = tmp / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -147,12 +147,12 @@ def test_wheel_lists_every_package_and_the_broker_pom(installed):
     import zipfile
 
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    assert "rlbus/services/ops/broker/pom.xml" in names, (
-        "the wheel has no rlbus/services/ops/broker/pom.xml; packages in it: "
+    assert "rlbus/ops/broker/pom.xml" in names, (
+        "the wheel has no rlbus/ops/broker/pom.xml; packages in it: "
         + ", ".join(sorted({n.rsplit("/", 1)[0] for n in names if n.startswith("rlbus/")}))
     )
     assert not any(n.startswith(("shared/", "services/")) for n in names), sorted(names)[:10]
-    assert (installed["site"] / "rlbus" / "services" / "ops" / "broker" / "pom.xml").is_file()
+    assert (installed["site"] / "rlbus" / "ops" / "broker" / "pom.xml").is_file()
 
 
 def test_console_script_runs_from_the_fresh_venv(installed):
@@ -174,9 +174,8 @@ def test_every_module_imports_from_the_installed_wheel(installed):
         f"--- {name}\n{tb}" for name, tb in got["failed"].items()
     )
     site = installed["site"].resolve()
-    file = Path(got["file"]).resolve()
-    assert site in file.parents, f"rlbus imported from {file}, not from the fresh venv {site}"
-    assert ROOT not in file.parents
+    paths = [Path(p).resolve() for p in got["paths"]]
+    assert paths == [site / "rlbus"], f"rlbus imported from {paths}, not from the fresh venv {site}"
     assert got["shadows"] == []
     assert Path(got["dist"]).resolve() == site / "rlbus", f"metadata from {got['dist']}"
     broken = {k: tb for k, tb in got["entry_points"].items() if tb is not None}
@@ -186,9 +185,9 @@ def test_every_module_imports_from_the_installed_wheel(installed):
     assert any(k.startswith("console_scripts:rlbus ") for k in got["entry_points"])
     # the walk saw the whole tree, subpackages included
     modules = set(got["modules"])
-    for name in ("rlbus.transport.kafka", "rlbus.services.ops.cli",
-                 "rlbus.services.ops.broker.cluster", "rlbus.services.learner.__main__"):
+    for name in ("rlbus.transport.kafka", "rlbus.ops.cli",
+                 "rlbus.ops.broker.cluster", "rlbus.learner.__main__"):
         assert name in modules, f"{name} not found in the installed package"
-    assert got["pom"], "rlbus.services.ops.broker has no pom.xml (package-data) when installed"
+    assert got["pom"], "rlbus.ops.broker has no pom.xml (package-data) when installed"
     print(f"timings: {installed['timings']}, import all {elapsed:.1f}s "
           f"({len(modules)} modules)")

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import WeightVersion
-from rlbus.services.learner.tiny_model import build_tiny_model
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus

@@ -11,15 +11,15 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from rlbus.codec import decode
+from rlbus.inference.service import Inference
+from rlbus.inference.settings import InferenceSettings
+from rlbus.learner.service import Learner
+from rlbus.learner.settings import LearnerSettings
 from rlbus.messages import DeadLetter, Prompt
-from rlbus.services.inference.service import Inference
-from rlbus.services.inference.settings import InferenceSettings
-from rlbus.services.learner.service import Learner
-from rlbus.services.learner.settings import LearnerSettings
-from rlbus.services.reward.service import Reward
-from rlbus.services.reward.settings import RewardSettings
-from rlbus.services.rollout.service import Rollout
-from rlbus.services.rollout.settings import RolloutSettings
+from rlbus.reward.service import Reward
+from rlbus.reward.settings import RewardSettings
+from rlbus.rollout.service import Rollout
+from rlbus.rollout.settings import RolloutSettings
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, ensure_topics
@@ -102,7 +102,7 @@ async def test_a_rollout_process_fed_the_pill_still_stops_on_sigterm(
     import signal
     import time
 
-    from rlbus.services.ops.launcher import ServiceProcesses, child_env
+    from rlbus.ops.launcher import ServiceProcesses, child_env
 
     kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
     topics = TopicSettings(prefix=unique_name("pill"), partitions=1, result_partitions=1)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from rlbus.messages import Prompt, ScoredTrajectory
-from rlbus.services.reward.service import Reward
-from rlbus.services.reward.settings import RewardSettings
+from rlbus.reward.service import Reward
+from rlbus.reward.settings import RewardSettings
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus

@@ -64,8 +64,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlbus.services.learner.chat_model import build_chat_model
-    from rlbus.services.learner.store import save_weights
+    from rlbus.learner.chat_model import build_chat_model
+    from rlbus.learner.store import save_weights
 
     root = tmp_path_factory.mktemp("vllm")
     v1, v2 = build_chat_model(root / "v1", seed=0), build_chat_model(root / "v2", seed=1)
@@ -117,7 +117,7 @@ def _stop_token(greedy: list[list[int]]) -> dict[str, int]:
 
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
-    from rlbus.services.ops.launcher import child_env
+    from rlbus.ops.launcher import child_env
 
     return child_env(extra)
 
@@ -215,9 +215,9 @@ def test_logprobs_match_the_hf_engine(engine_run: dict[str, Any], models: dict[s
 
 
 async def _hf_engine_greedy(models: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    from rlbus.inference.engines import HFEngine
+    from rlbus.inference.settings import InferenceSettings
     from rlbus.messages import Sampling
-    from rlbus.services.inference.engines import HFEngine
-    from rlbus.services.inference.settings import InferenceSettings
 
     engine = HFEngine(InferenceSettings(engine="hf", model_path=models["v1"], torch_threads=None))
     greedy = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
@@ -251,17 +251,17 @@ def test_inference_service_end_to_end(vllm_python: Path, models: dict[str, Any],
                                       unique_name: Any, tmp_path: Path) -> None:
     """A real inference process with RLBUS_ENGINE=vllm: it loads v2 announced on the weights
     topic, answers step requests with v2's tokens, and drains on SIGTERM."""
-    from rlbus.services.ops.launcher import spawn_process
+    from rlbus.ops.launcher import spawn_process
 
     env = _child_env({**ENGINE_ENV, "RLBUS_ENGINE": "vllm", "RLBUS_MODEL_PATH": str(models["v1"]),
                       "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap,
                       "RLBUS_TOPICS__PREFIX": unique_name("vllm")})
-    subprocess.run([sys.executable, "-m", "rlbus.services.ops.cli", "topics", "create"],
+    subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "topics", "create"],
                    env=env, check=True, capture_output=True)
     asyncio.run(_announce(env, models["store"][2]))
     log = tmp_path / "inference-0.log"
     t0 = time.perf_counter()
-    proc = spawn_process([str(vllm_python), "-m", "rlbus.services.inference"], env, log)
+    proc = spawn_process([str(vllm_python), "-m", "rlbus.inference"], env, log)
     try:
         _wait_for(log, "inference-0 ready", proc, timeout=300)
         ready_s = time.perf_counter() - t0
@@ -335,9 +335,9 @@ async def _ask(env: dict[str, str], prompts: list[list[int]]) -> list[Any]:
 
 async def drive_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Fresh on v1 (greedy, sampled, abort), reload v2, bad checksum, reload v1."""
+    from rlbus.inference.engines import make_engine
+    from rlbus.inference.settings import InferenceSettings
     from rlbus.messages import Sampling
-    from rlbus.services.inference.engines import make_engine
-    from rlbus.services.inference.settings import InferenceSettings
     from rlbus.weights import ChecksumMismatchError
 
     prompts, store = spec["prompts"], spec["store"]

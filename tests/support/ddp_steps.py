@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from rlbus.services.learner.settings import LearnerSettings
-from rlbus.services.learner.trainer import Trainer, Work
+from rlbus.learner.settings import LearnerSettings
+from rlbus.learner.trainer import Trainer, Work
 
 
 def steps(count: int) -> list[list[Work]]:

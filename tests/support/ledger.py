@@ -1,7 +1,7 @@
 """Nothing lost and nothing trained twice, counted from the learner's checkpoint.
 
 The checkpoint's ledger lists, per optimizer step the final model went through, the episode
-ids that step trained on, not deduplicated (services/learner/service.py). The feeder names
+ids that step trained on, not deduplicated (services/rlbus/learner/service.py). The feeder names
 episodes ``<run_name>/<group index>/<member>`` and publishes exactly ``max_steps *
 groups_per_step`` training groups, so a run that lost nothing and trained nothing twice has
 each of those ids in the ledger exactly once, and every step a full batch.

@@ -1,8 +1,8 @@
 """A local Kafka broker that only speaks SASL_SSL with SCRAM-SHA-512, for security tests.
 
-Why a separate module: services/ops/broker/ runs a PLAINTEXT broker; production brokers require
-TLS and SCRAM, so the services must be proven against that too. This module adds, on top of
-``LocalCluster``:
+Why a separate module: services/rlbus/ops/broker/ runs a PLAINTEXT broker; production brokers
+require TLS and SCRAM, so the services must be proven against that too. This module adds, on
+top of ``LocalCluster``:
 
   * a throwaway CA and a broker certificate for 127.0.0.1/localhost (``openssl`` CLI, PEM),
   * a SCRAM-SHA-512 user created at format time (``StorageTool format --add-scram``),
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rlbus.services.ops.broker import LOOPBACK, BrokerError, LocalCluster, free_port_pairs
+from rlbus.ops.broker import LOOPBACK, BrokerError, LocalCluster, free_port_pairs
 from rlbus.settings import KafkaSettings
 from rlbus.transport import client_options
 

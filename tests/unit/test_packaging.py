@@ -1,16 +1,19 @@
-"""Packaging, checked from the source tree (fast: no network, no wheel build).
+"""The layout, checked from the source tree (fast: no network, no wheel build).
 
-pyproject.toml maps the folders onto one import namespace (``shared/`` -> ``rlbus``,
-``services/`` -> ``rlbus.services``) and lists every package explicitly, so a new package
-folder that is not added to ``[tool.setuptools] packages`` works in the editable checkout's
-tests yet is missing from the wheel. And code that imports the folders' own names
-(``shared``, ``services``) works only from the checkout, where a user's package of that name
-would shadow ours. tests/integration/test_packaging.py checks the built wheel itself.
+``rlbus`` is one namespace package laid over two source roots: ``shared/rlbus`` (the core) and
+``services/rlbus`` (the tiers and ops). A module's file is ``<root>/<its import path>.py``, so
+any tool that maps a module to a file (mypy, coverage, an IDE, grep) follows an import with no
+mapping of ours. What could break that: an ``__init__.py`` at a root's ``rlbus/`` (it would
+hide the other root), the same module in both roots, a package folder without its
+``__init__.py``, a root the wheel does not list, or code that imports the root folders' own
+names (``shared``, ``services``), which exist only in a checkout.
+tests/integration/test_packaging.py checks the built wheel itself.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -19,47 +22,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
-SOURCE_DIRS = ("shared", "services", "tests", "loadtest")
-LAYOUT_NAMES = frozenset({"shared", "services"})
+ROOTS = ("shared", "services")
+SOURCE_DIRS = (*ROOTS, "tests", "loadtest")
+LAYOUT_NAMES = frozenset(ROOTS)
 
 
-def _setuptools() -> dict:
-    return tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
-
-
-def _package_dir() -> dict[str, Path]:
-    return {pkg: ROOT / folder for pkg, folder in _setuptools()["package-dir"].items()}
-
-
-def _name_of(folder: Path) -> str:
-    """The import name setuptools gives ``folder``: the most specific package-dir mapping."""
-    best: tuple[int, str] | None = None
-    for pkg, base in _package_dir().items():
-        if folder == base or base in folder.parents:
-            depth = len(base.parts)
-            if best is None or depth > best[0]:
-                rel = folder.relative_to(base).parts
-                best = (depth, ".".join((pkg, *rel)))
-    assert best is not None, f"{folder} is under no package-dir entry of pyproject.toml"
-    return best[1]
-
-
-def _folder_of(package: str) -> Path:
-    """The folder setuptools builds ``package`` from (longest matching package-dir key)."""
-    mapping = _package_dir()
-    parts = package.split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        if prefix in mapping:
-            return mapping[prefix].joinpath(*parts[n:])
-    return ROOT.joinpath(*parts)  # setuptools' default: the name as a path from the root
-
-
-def _package_folders() -> list[Path]:
-    folders = set()
-    for base in _package_dir().values():
-        folders.update(p.parent for p in base.rglob("__init__.py") if "__pycache__" not in p.parts)
-    return sorted(folders)
+def _modules() -> dict[str, Path]:
+    """Every module under the two roots, by the import name its path gives it."""
+    found: dict[str, Path] = {}
+    for root in ROOTS:
+        for path in sorted((ROOT / root / "rlbus").rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = path.relative_to(ROOT / root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found.setdefault(name, path)
+    return found
 
 
 def _py_files() -> list[Path]:
@@ -71,60 +49,47 @@ def _py_files() -> list[Path]:
     )
 
 
-def test_package_dir_mapping_is_the_one_this_test_knows():
-    # the other checks derive names from this mapping; fail loudly if its shape changes
-    assert set(_setuptools()["package-dir"]) >= {"rlbus", "rlbus.services"}
+def test_rlbus_is_a_namespace_over_both_roots():
+    for root in ROOTS:
+        assert not (ROOT / root / "rlbus" / "__init__.py").exists(), (
+            f"{root}/rlbus/__init__.py would make rlbus a regular package and hide the other root")
+    spec = importlib.util.find_spec("rlbus")
+    assert spec is not None and spec.origin is None  # a namespace package has no file
+    assert {Path(p) for p in spec.submodule_search_locations or []} == {
+        ROOT / root / "rlbus" for root in ROOTS}
 
 
-def test_every_package_folder_is_listed_in_pyproject():
-    listed = set(_setuptools()["packages"])
-    missing = [
-        f"{_name_of(folder)} ({folder.relative_to(ROOT)}/)"
-        for folder in _package_folders()
-        if _name_of(folder) not in listed
-    ]
-    assert not missing, (
-        "package folders missing from the wheel: add "
-        + ", ".join(missing)
-        + ' to [tool.setuptools] packages = [...] in pyproject.toml'
-    )
+def test_the_wheel_and_the_editable_install_list_both_roots():
+    hatch = tomllib.loads(PYPROJECT.read_text())["tool"]["hatch"]["build"]
+    assert hatch["targets"]["wheel"]["packages"] == [f"{root}/rlbus" for root in ROOTS]
+    assert hatch["dev-mode-dirs"] == list(ROOTS)
 
 
-def test_every_listed_package_exists():
-    absent = [
-        f"{pkg} (expected {_folder_of(pkg).relative_to(ROOT)}/__init__.py)"
-        for pkg in _setuptools()["packages"]
-        if not (_folder_of(pkg) / "__init__.py").is_file()
-    ]
-    assert not absent, (
-        "pyproject.toml [tool.setuptools] packages lists packages that do not exist: "
-        + ", ".join(absent)
-        + "; remove them from pyproject.toml or add the folder"
-    )
+def test_no_module_is_in_both_roots():
+    seen: dict[str, str] = {}
+    for root in ROOTS:
+        for path in (ROOT / root / "rlbus").rglob("*.py"):
+            rel = str(path.relative_to(ROOT / root))
+            assert rel not in seen, f"{rel} is in both {seen[rel]}/ and {root}/"
+            seen[rel] = root
 
 
-def test_no_module_folder_lacks_an_init():
-    # A folder of .py files without __init__.py is a namespace package, which an explicit
-    # `packages` list never picks up: its modules would be missing from the wheel.
-    bare = sorted(
-        str(folder.relative_to(ROOT))
-        for base in _package_dir().values()
-        for folder in {p.parent for p in base.rglob("*.py") if "__pycache__" not in p.parts}
-        if not (folder / "__init__.py").is_file()
-    )
-    assert not bare, (
-        f"folders with modules but no __init__.py (left out of the wheel): {bare}; add an "
-        "__init__.py and list the package in pyproject.toml [tool.setuptools] packages"
-    )
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_a_module_imports_from_the_file_its_name_names(name):
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None, f"{name} does not import"
+    assert Path(spec.origin) == _modules()[name]
 
 
-def test_package_data_files_exist():
-    for pkg, patterns in _setuptools().get("package-data", {}).items():
-        for pattern in patterns:
-            assert list(_folder_of(pkg).glob(pattern)), (
-                f"pyproject.toml package-data {pkg!r}: {pattern!r} matches no file in "
-                f"{_folder_of(pkg).relative_to(ROOT)}/"
-            )
+def test_no_package_folder_lacks_an_init():
+    for root in ROOTS:
+        for folder in (ROOT / root / "rlbus").iterdir():
+            if not folder.is_dir() or folder.name == "__pycache__":
+                continue
+            for sub in [folder, *(d for d in folder.rglob("*") if d.is_dir())]:
+                if sub.name != "__pycache__" and any(sub.glob("*.py")):
+                    assert (sub / "__init__.py").exists(), (
+                        f"{sub.relative_to(ROOT)} lacks __init__.py")
 
 
 _LAYOUT_MODULE = re.compile(r"^(shared|services)(\.[A-Za-z_][\w.]*)?$")
@@ -178,8 +143,8 @@ def test_layout_scanner_catches_what_it_should(tmp_path):
     assert flagged == {1, 2, 3, 4, 6, 7, 8, 9}
     good = tmp_path / "good.py"
     good.write_text(
-        "import rlbus.services.rollout\nfrom rlbus import codec\nfrom . import shared\n"
-        "cfg = {'services': 1}\n'''python -m rlbus.services.learner; see shared/topics.py'''\n"
+        "import rlbus.rollout\nfrom rlbus import codec\nfrom . import shared\n"
+        "cfg = {'services': 1}\n'''python -m rlbus.learner; see shared/rlbus/topics.py'''\n"
     )
     assert _layout_uses(good) == []
 
@@ -188,6 +153,6 @@ def test_layout_scanner_catches_what_it_should(tmp_path):
 def test_no_code_imports_the_layout_folder_names(path):
     uses = _layout_uses(path)
     assert not uses, (
-        f"{path.relative_to(ROOT)} uses the folder names shared/services as modules; installed "
-        "code only has rlbus / rlbus.services: " + "; ".join(uses)
+        f"{path.relative_to(ROOT)} uses the folder names shared/services as modules; they are "
+        "source roots, not packages; code imports rlbus only: " + "; ".join(uses)
     )

@@ -1,0 +1,383 @@
+"""One GRPO optimizer step over complete groups (see grpo.py for the loss itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rlbus import plugins
+from rlbus.learner.distributed import World, shard
+from rlbus.learner.groups import Group
+from rlbus.learner.grpo import (
+    Whole,
+    collate,
+    group_advantages,
+    policy_loss,
+    score_tokens,
+)
+from rlbus.learner.settings import LearnerSettings
+from rlbus.limits import check_token_ids
+from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
+
+
+def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
+    """The episode as one sequence: token ids exactly as sampled, which of them the policy
+    sampled, and the engine's logprobs for those (0 elsewhere)."""
+    ids: list[int] = []
+    sampled: list[bool] = []
+    logprobs: list[float] = []
+    for turn in t.turns:
+        ids += turn.input_ids + turn.completion_ids
+        sampled += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
+        logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
+    return ids, sampled, logprobs
+
+
+def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
+    """The reason `scored` is masked (one of :data:`MASK_CAUSES`), or None if it trains."""
+    if scored.trajectory.status == "failed":
+        return "failed"
+    if not scored.valid or not scored.trajectory.turns:
+        return "invalid"
+    if staleness > max_staleness:
+        return "stale"
+    return None
+
+
+def masked_by_cause(causes: list[str | None]) -> dict[str, float]:
+    """``trained`` (samples that entered the loss) and ``masked`` with one
+    ``masked_<cause>`` count per cause, for a step's metrics row."""
+    out = {"trained": float(sum(c is None for c in causes)),
+           "masked": float(sum(c is not None for c in causes))}
+    return out | {f"masked_{c}": float(causes.count(c)) for c in MASK_CAUSES}
+
+
+@dataclass
+class Sample:
+    scored: ScoredTrajectory
+    advantage: float
+    staleness: int
+    cause: str | None  # why it is masked; None: it trains
+
+    @property
+    def used(self) -> bool:
+        return self.cause is None
+
+
+class Trainer:
+    """Holds the policy and its optimizer; one instance per torchrun rank (see
+    :mod:`.distributed`: rank 0 calls ``step``, the others ``follow``)."""
+
+    def __init__(self, cfg: LearnerSettings, world: World | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if cfg.model_path is None:
+            raise ValueError("the learner needs RLBUS_MODEL_PATH (the initial policy folder)")
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.world = world if world is not None else World.from_env(cfg.device)
+        self.device = self.world.device(cfg.device)
+        self.autocast = _autocast_dtype(cfg.dtype, self.device)
+        # fp32 master weights whatever the compute dtype (autocast casts per operation)
+        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+        self.model = model.to(self.device)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        if cfg.gradient_checkpointing:
+            self.model.config.use_cache = False
+            # transformers 5 renamed gradient_ to activation_checkpointing_enable
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.scorer: nn.Module = _Scorer(self.model, cfg)
+        self._replicated = self.world.size == 1
+
+    def samples(self, groups: list[Group], version: int) -> list[Sample]:
+        """Advantages per group; stale or invalid episodes are masked (advantage 0)."""
+        out: list[Sample] = []
+        for g in groups:
+            members = g.ordered()
+            stale = [version - m.trajectory.min_version for m in members]
+            causes = [mask_cause(m, s, self.cfg.max_staleness)
+                      for m, s in zip(members, stale, strict=True)]
+            adv = group_advantages(
+                torch.tensor([m.reward for m in members]),
+                torch.tensor([c is None for c in causes]),
+                scale_by_std=self.cfg.scale_by_std,
+            )
+            out += [
+                Sample(m, float(a), s, c)
+                for m, a, s, c in zip(members, adv.tolist(), stale, causes, strict=True)
+            ]
+        return out
+
+    def admit(self, t: Trajectory) -> None:
+        """Raise if ``t`` cannot take part in a step: called per episode on intake, where a
+        raise dead-letters that episode alone. Valid on the wire, an episode with a token id
+        past the vocabulary (an embedding lookup out of range) or a spec that breaks its
+        task's success metric would otherwise fail every step it lands in, at every restart."""
+        why = check_token_ids(t, self.vocab_size)
+        if why is not None:
+            raise ValueError(why)
+        episode_success(t)
+
+    def step(self, groups: list[Group], version: int) -> dict[str, float]:
+        samples = self.samples(groups, version)
+        # a zero advantage adds no policy gradient, so those episodes are left out, unless
+        # the entropy bonus is on: it is a term of every trained token, not only of the
+        # groups that disagreed, and what keeps a converged group exploring
+        keep_flat = self.cfg.entropy_coef > 0
+        used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
+        stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        if used:
+            work = [(*packed(s.scored.trajectory), s.advantage) for s in used]
+            stats = self.optimize(self.world.broadcast(("step", work))[1])
+        return {**stats, **self._describe(samples)}
+
+    def follow(self) -> int:
+        """A follower rank's loop: train on rank 0's broadcast steps until it says stop;
+        returns the number of steps taken."""
+        steps = 0
+        while True:
+            message = self.world.broadcast()
+            if message[0] == "stop":
+                return steps
+            self.optimize(message[1])
+            steps += 1
+
+    def close(self) -> None:
+        """Rank 0: release the followers; then leave the process group."""
+        if self.world.main and self.world.size > 1:
+            self.world.broadcast(("stop",))
+        self.world.close()
+
+    def optimize(self, work: list[Work]) -> dict[str, float]:
+        """``updates_per_step`` optimizer steps on the batch `work` (every rank passes the
+        same one and trains its share); the figures are the first update's, whose ratios
+        compare the policy that sampled with the one that trains."""
+        stats = self.update(work)
+        for _ in range(self.cfg.updates_per_step - 1):
+            self.update(work)
+        return stats
+
+    def update(self, work: list[Work]) -> dict[str, float]:
+        """One optimizer step on the whole batch `work`, by micro-batches with gradient
+        accumulation."""
+        self._replicate()
+        lengths = [len(w[0]) for w in work]
+        order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad
+        whole = Whole(tokens=float(sum(sum(w[1][1:]) for w in work)), sequences=len(work))
+        mine = shard(order, self.world)
+        weight = 1.0
+        if not mine:  # more ranks than sequences: join the all-reduce with a zero gradient
+            mine, weight = order[:1], 0.0
+        micro = micro_batches([lengths[i] for i in mine], self.cfg.micro_batch_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, kl, entropy sums
+        for k, part in enumerate(micro):
+            items = [work[mine[i]] for i in part]
+            last = k == len(micro) - 1
+            sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if not (last or self._plain):  # accumulate locally, all-reduce on the last
+                sync = cast(DistributedDataParallel, self.scorer).no_sync()
+            with sync:
+                loss, figures = self._micro_step(items, whole)
+                # DDP averages gradients over ranks; each rank's share is of the whole batch
+                (loss * weight * self.world.size).backward()  # type: ignore[no-untyped-call]
+            totals += weight * figures
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        loss_sum, clip, ratio, kl, entropy = self.world.all_sum(totals).tolist()
+        tokens = max(whole.tokens, 1.0)
+        stats = {"loss": loss_sum, "grad_norm": grad_norm.item(), "clip_frac": clip / tokens,
+                 "mean_ratio": ratio / tokens, "approx_kl": kl / tokens,
+                 "micro_batches": float(len(micro))}
+        if self.cfg.entropy_coef:
+            stats["entropy"] = entropy / tokens
+        return stats
+
+    def _micro_step(self, items: list[Work], whole: Whole) -> tuple[Tensor, Tensor]:
+        batch = collate([w[0] for w in items], [w[1] for w in items], [w[2] for w in items],
+                        self.pad_id)
+        mask = batch.loss_mask.to(self.device)  # (b, t-1)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            logprobs, entropy = self.scorer(
+                batch.input_ids.to(self.device), batch.attention_mask.to(self.device), mask)
+        loss, stats = policy_loss(
+            logprobs,  # (b, t-1)
+            batch.behaviour_logprobs.to(self.device),
+            torch.tensor([w[3] for w in items], device=self.device),  # (b,)
+            mask,
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            norm=self.cfg.loss_norm,
+            max_tokens=self.cfg.dr_grpo_max_tokens,
+            whole=whole,
+        )
+        entropy_sum = 0.0
+        if entropy is not None:
+            bonus = (entropy * mask).sum()
+            loss = loss - self.cfg.entropy_coef * bonus / max(whole.tokens, 1.0)
+            entropy_sum = float(bonus.detach())
+        n = float(mask.sum())  # the stats are token means over this micro-batch
+        figures = torch.tensor([float(loss.detach()), stats["clip_frac"] * n,
+                                stats["mean_ratio"] * n, stats["approx_kl"] * n, entropy_sum],
+                               dtype=torch.float64)
+        return loss, figures
+
+    @property
+    def _plain(self) -> bool:
+        return not isinstance(self.scorer, DistributedDataParallel)
+
+    def _replicate(self) -> None:
+        """Before the first distributed step: rank 0's parameters (DDP's constructor
+        broadcasts them) and optimizer state (a restored checkpoint's) on every rank."""
+        if self._replicated:
+            return
+        state = self.world.broadcast(self.optimizer.state_dict() if self.world.main else None)
+        if not self.world.main:
+            self.optimizer.load_state_dict(state)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.scorer = DistributedDataParallel(self.scorer, device_ids=ids)
+        self._replicated = True
+
+    def _describe(self, samples: list[Sample]) -> dict[str, float]:
+        valid = [s for s in samples if s.used]
+        success = [episode_success(s.scored.trajectory) for s in valid]
+        return {
+            "episodes": len(samples),
+            **masked_by_cause([s.cause for s in samples]),
+            # trained, but with nothing to learn: every member of its group scored the same
+            "zero_advantage": float(sum(s.used and s.advantage == 0.0 for s in samples)),
+            "reward_mean": _mean([s.scored.reward for s in valid]),
+            "success_rate": _mean([float(x) for x in success]),
+            "staleness_mean": _mean([float(s.staleness) for s in valid]),
+            "staleness_max": float(max((s.staleness for s in valid), default=0)),
+            "turns_mean": _mean([float(len(s.scored.trajectory.turns)) for s in valid]),
+            "tokens": float(sum(s.scored.trajectory.num_tokens for s in samples)),
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+Work = tuple[list[int], list[bool], list[float], float]
+"""One sequence to train on: packed ids, sampled flags, behaviour logprobs, advantage."""
+
+
+class _Scorer(nn.Module):
+    """The policy's token logprobs (and entropy when the loss uses it) as one module, so
+    that DistributedDataParallel wraps the whole forward pass."""
+
+    def __init__(self, model: nn.Module, cfg: LearnerSettings) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = cfg.temperature
+        self.entropy = cfg.entropy_coef > 0
+        self.chunk = cfg.logits_chunk_tokens
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                where: Tensor) -> tuple[Tensor, Tensor | None]:
+        return score_tokens(self.model, input_ids, attention_mask, self.temperature,
+                            entropy=self.entropy, where=where, chunk_tokens=self.chunk)
+
+
+def micro_batches(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive runs of `lengths` (ascending) whose padded size (count times longest) stays
+    within `budget` tokens; a sequence longer than the budget is a run of its own."""
+    if budget is None:
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i, n in enumerate(lengths):
+        if current and (len(current) + 1) * max(n, lengths[current[-1]]) > budget:
+            out.append(current)
+            current = []
+        current.append(i)
+    return [*out, current] if current else out
+
+
+def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `dtype` on `device` (None: plain fp32), or a clear error."""
+    if dtype == "float32":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"RLBUS_DTYPE=bfloat16: {torch.cuda.get_device_name(device)} has no "
+                         "bfloat16 support; use float32")
+    return torch.bfloat16
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+class SyntheticTrainer:
+    """No model: a step takes ``synthetic_step_s`` of wall time (load tests)."""
+
+    def __init__(self, cfg: LearnerSettings) -> None:
+        self.cfg = cfg
+
+    def admit(self, t: Trajectory) -> None:
+        """No model, no metric: every episode can take part."""
+
+    def step(self, groups: list[Group], version: int) -> dict[str, float]:
+        import time
+
+        time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
+        samples = [m for g in groups for m in g.ordered()]
+        ages = [version - m.trajectory.min_version for m in samples]
+        # the same mask as the GRPO trainer
+        causes = [mask_cause(m, a, self.cfg.max_staleness)
+                  for m, a in zip(samples, ages, strict=True)]
+        valid = [m for m, c in zip(samples, causes, strict=True) if c is None]
+        stale = [float(a) for a, c in zip(ages, causes, strict=True) if c is None]
+        return {
+            "loss": 0.0,
+            "episodes": float(len(samples)),
+            **masked_by_cause(causes),
+            "reward_mean": _mean([m.reward for m in valid]),
+            "success_rate": math.nan,
+            "staleness_mean": _mean(stale),
+            "staleness_max": max(stale, default=0.0),
+            "turns_mean": _mean([float(len(m.trajectory.turns)) for m in samples]),
+            "tokens": float(sum(m.trajectory.num_tokens for m in samples)),
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        return None
+
+
+def episode_success(t: Trajectory) -> bool:
+    """The task's success metric of an episode; False for a task this process cannot load.
+    Anything else the task's code raises propagates: the learner calls this on intake, where
+    it dead-letters the episode, so that a step never meets it."""
+    if t.status == "failed":  # a failed episode succeeds at nothing (a stand-in has no spec)
+        return False
+    actions = [turn.action for turn in t.turns if turn.tool_call is None]
+    try:
+        return plugins.task(t.task).success(t.spec, actions)
+    except plugins.PluginError:
+        return False

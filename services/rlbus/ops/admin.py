@@ -1,0 +1,169 @@
+"""Operator commands: topics, feeding prompts, inspecting topics, and a local model folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from rlbus.messages import Prompt, Sampling
+from rlbus.settings import ServiceSettings
+from rlbus.topics import Topics, ensure_topics
+from rlbus.transport import KafkaBus, admin_client
+
+log = logging.getLogger(__name__)
+
+
+class AdminSettings(ServiceSettings):
+    """Connection and topic settings of operator commands (same RLBUS_* variables)."""
+
+    @classmethod
+    def also_accepted(cls) -> list[type[BaseModel]]:
+        from rlbus.runner import SERVICES, settings_class
+
+        return [settings_class(name) for name in SERVICES]
+
+
+async def topics_command(action: str) -> int:
+    s = AdminSettings()
+    if action == "create":
+        created = await ensure_topics(s.kafka, s.topics)
+        print(f"created {len(created)} topic(s): {', '.join(created) or '(all existed)'}")
+        return 0
+    async with admin_client(s.kafka) as admin:
+        existing = set(await admin.list_topics())
+    for spec in Topics(s.topics).catalogue():
+        mark = "ok" if spec.name in existing else "missing"
+        print(f"{spec.name:<40} {spec.partitions:>3} partitions  {mark}")
+    return 0
+
+
+def read_prompts(path: Path, args: argparse.Namespace) -> list[Prompt]:
+    """Validate the whole file before publishing anything: a bad line N fails with N."""
+    if not path.is_file():
+        raise SystemExit(f"no such file: {path}")
+    sampling = Sampling(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row: dict[str, Any] = json.loads(line)
+            prompts.append(
+                Prompt(
+                    group_id=row.get("group_id", f"{args.run_name}/{n}"),
+                    task=row["task"],
+                    spec=row.get("spec", {}),
+                    group_size=row.get("group_size", args.group_size),
+                    sampling=sampling,
+                )
+            )
+        except (json.JSONDecodeError, KeyError, ValidationError, TypeError) as exc:
+            raise SystemExit(f"{path}:{n}: not a prompt ({type(exc).__name__}: {exc})") from None
+    return prompts
+
+
+async def feed_command(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    prompts = read_prompts(path, args)  # before connecting: a bad file costs no broker call
+    s = AdminSettings()
+    topics = Topics(s.topics)
+    bus = KafkaBus(s.kafka, dlq_topic=topics.dlq, service="feed")
+    try:
+        producer = await bus.producer()
+        for p in prompts:
+            await producer.send(topics.prompts, p, key=p.group_id)
+    finally:
+        await bus.close()
+    print(f"published {len(prompts)} prompt(s) to {topics.prompts}")
+    return 0
+
+
+async def inspect_command(args: argparse.Namespace) -> int:
+    from rlbus.ops import inspection
+
+    s = AdminSettings()
+    topics = Topics(s.topics)
+    bus = KafkaBus(s.kafka, dlq_topic=None, service="inspect")
+    try:
+        if args.command == "trace":
+            found = await inspection.gather_episode(bus, topics, args.episode_id)
+            if args.json:
+                for d in found.rows:
+                    print(json.dumps(inspection.as_json(*d, topics=topics)))
+            else:
+                inspection.render_episode(found, sys.stdout.write)
+            return 0 if found.rows else 1
+        start = inspection.Start(
+            offset=args.from_offset,
+            timestamp_ms=inspection.parse_time(args.from_time) if args.from_time else None,
+        )
+        match = inspection.Filter(key=args.key, episode=args.episode, group=args.group)
+        n = await inspection.replay(
+            bus, topics, args.topic, start, match, to=args.to, limit=args.limit,
+            raw_bytes=args.raw,
+        )
+        if args.to:
+            print(f"re-published {n} record(s) to {args.to}", file=sys.stderr)
+        return 0
+    except LookupError as exc:
+        raise SystemExit(str(exc)) from None
+    finally:
+        await bus.close()
+
+
+def model_init_command(
+    path: Path,
+    *,
+    size: str = "tiny",
+    seed: int = 0,
+    words: Sequence[str] = (),
+    force: bool = False,
+) -> int:
+    """Build the tiny random-init Llama and its word-level tokenizer (the built-in tasks'
+    words, plus ``words`` for a task of your own) into ``path``.
+
+    Built in ``<path>.tmp`` and renamed when complete, so an interrupted build is never taken
+    for a model; an existing non-empty folder is replaced only with ``force``.
+    """
+    path = Path(os.path.abspath(path))  # "models/tiny/", "." and ".." have a name to rename
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"rlbus model init: {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise SystemExit(f"rlbus model init: {path} exists and is not empty (--force replaces it)")
+    from transformers.utils import logging as transformers_logging
+
+    from rlbus.learner.tiny_model import build_tiny_model  # imports torch
+
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # the leftover of an interrupted build
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build_tiny_model(tmp, size=size, seed=seed, words=words)
+        _replace_folder(tmp, path)
+    except ValueError as exc:  # a word the tokenizer cannot hold
+        raise SystemExit(f"rlbus model init: {exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"rlbus model init: built a random-init {size} model and its tokenizer in {path}")
+    return 0
+
+
+def _replace_folder(new: Path, path: Path) -> None:
+    """Rename ``new`` to ``path``; a non-empty ``path`` is moved aside first (a rename
+    replaces only an empty folder) and deleted once ``new`` is in place."""
+    old = path.with_name(path.name + ".old")
+    if path.is_dir() and any(path.iterdir()):
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    new.replace(path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,6 @@
+"""``python -m rlbus.rollout``: parse settings first, import heavy modules only after."""
+
+from rlbus.runner import run_service
+
+if __name__ == "__main__":
+    run_service("rollout")

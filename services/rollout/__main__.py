@@ -1,6 +1,0 @@
-"""``python -m rlbus.services.rollout``: parse settings first, import heavy modules only after."""
-
-from rlbus.runner import run_service
-
-if __name__ == "__main__":
-    run_service("rollout")

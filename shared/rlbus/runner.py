@@ -1,0 +1,83 @@
+"""Start one service: settings and logging first, heavy imports (torch) only after.
+
+``rlbus --help`` and a settings error answer in well under a second because nothing here
+imports torch; the service module is imported only once the settings are valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from rlbus import logs, telemetry
+from rlbus.plugins import PluginError
+from rlbus.settings import ServiceSettings, UnknownSettingError
+from rlbus.transport import BrokerConnectError
+
+SERVICES: dict[str, tuple[str, str]] = {
+    name: (
+        f"rlbus.{name}.settings:{cls}Settings",
+        f"rlbus.{name}.service:{cls}",
+    )
+    for name, cls in (
+        ("rollout", "Rollout"),
+        ("inference", "Inference"),
+        ("reward", "Reward"),
+        ("learner", "Learner"),
+    )
+}
+
+
+def load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def settings_class(name: str) -> type[ServiceSettings]:
+    cls: type[ServiceSettings] = load(SERVICES[name][0])
+    return cls
+
+
+def configure_logging(level: str) -> None:
+    """Before the service module (and torch, transformers) is imported: see :mod:`rlbus.logs`."""
+    logs.configure(level)
+
+
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop if asked for and installed; None: asyncio's default."""
+    if kind != "uvloop":
+        return None
+    try:
+        import uvloop
+    except ImportError:  # not built for this platform (Windows), or not installed
+        logging.getLogger(__name__).warning(
+            "RLBUS_EVENT_LOOP=uvloop but uvloop is not installed; using asyncio's loop")
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run_service(name: str, **overrides: Any) -> dict[str, Any]:
+    """Parse settings (env + overrides), then import and serve the service until it stops."""
+    try:
+        settings = settings_class(name)(**overrides)
+    except (ValidationError, UnknownSettingError) as exc:
+        raise SystemExit(f"rlbus {name}: invalid settings:\n{exc}") from None
+    configure_logging(settings.log_level)
+    telemetry.setup(f"rlbus-{name}")
+    try:
+        service = load(SERVICES[name][1])(settings)
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            summary: dict[str, Any] = runner.run(service.serve())
+    except BrokerConnectError as exc:
+        raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
+    except PluginError as exc:  # a task, agent or verifier that cannot be found or loaded
+        raise SystemExit(f"rlbus {name}: {exc}") from None
+    finally:
+        telemetry.shutdown()
+    return summary

@@ -1,0 +1,234 @@
+"""Settings shared by every service.
+
+Each service has one settings class (``services/<x>/settings.py``) that subclasses
+:class:`ServiceSettings`. Values come from keyword arguments, then ``RLBUS_*`` environment
+variables (nested with ``__``, e.g. ``RLBUS_KAFKA__BOOTSTRAP``), then the defaults here.
+A variable that no rlbus service reads is an error, so a typo in an environment block fails
+loudly at start (with the closest known name); one that only another tier reads is accepted
+and logged once as unused, so a single shell can configure every tier.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rlbus.limits import Limits
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KafkaSettings(_Section):
+    """How to reach the broker; security settings are here from the start."""
+
+    bootstrap: str = "127.0.0.1:9092"
+    """Comma-separated host:port list of brokers."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka security protocol of the client listener."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism, required with SASL_* protocols."""
+    sasl_username: str | None = None
+    """SASL user."""
+    sasl_password: SecretStr | None = None
+    """SASL password; never logged."""
+    ssl_cafile: Path | None = None
+    """CA bundle that signed the broker certificate (SSL, SASL_SSL)."""
+    ssl_certfile: Path | None = None
+    """Client certificate for mutual TLS."""
+    ssl_keyfile: Path | None = None
+    """Private key of the client certificate."""
+    request_timeout_s: float = 30.0
+    """Upper bound on any single broker call; aiokafka can otherwise hang forever
+    while the broker is down (aiokafka #1101)."""
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL_"):
+            missing = [
+                name
+                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(f"{self.security_protocol} needs {', '.join(missing)}")
+        return self
+
+
+class TopicSettings(_Section):
+    """The topic catalogue's knobs (see shared/rlbus/topics.py)."""
+
+    prefix: str = "rlbus"
+    """Every topic is named ``<prefix>.<name>``, so several runs can share a cluster."""
+    partitions: int = Field(default=8, ge=1)
+    """Partitions of the work topics; the most members a consumer group can use."""
+    result_partitions: int = Field(default=16, ge=1)
+    """Partitions of steps.results; each rollout instance owns one (its instance index)."""
+    replication: int = Field(default=1, ge=1)
+    """Replication factor; 3 in production with min_insync_replicas 2."""
+    min_insync_replicas: int = Field(default=1, ge=1)
+    """Replicas that must acknowledge a write (acks=all)."""
+    retention_ms: int = 7 * 24 * 3600 * 1000
+    """How long work topics keep messages; long enough to replay a run."""
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest message a topic accepts; trajectories of long episodes are large."""
+
+
+LAUNCHER_VARIABLES = frozenset({
+    "RLBUS_KAFKA_BOOTSTRAP", "RLBUS_KAFKA_CACHE", "RLBUS_HOME",
+    "RLBUS_KAFKA_PORT",  # docker-compose.yml: Kafka's port on the host
+    "RLBUS_SKIP_DOCKER",  # make compose-test: skip the Docker end-to-end test, on purpose
+})
+"""RLBUS_* variables read by the broker launcher, docker compose and tests, not by any
+settings class: a shell that sets them for those still runs every rlbus command."""
+
+log = logging.getLogger(__name__)
+_REPORTED: set[tuple[str, str]] = set()  # (settings class, variable) already logged as unused
+
+
+class UnknownSettingError(ValueError):
+    """An RLBUS_* environment variable names no setting of any rlbus service."""
+
+
+def unknown_env_keys(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> list[str]:
+    """RLBUS_* variables that ``cls`` would silently ignore (pydantic-settings drops them)."""
+    env = os.environ if environ is None else environ
+    return sorted(
+        key
+        for key in env
+        if key.upper().startswith("RLBUS_")
+        and key.upper() not in LAUNCHER_VARIABLES
+        and not _names_field(cls, _path(key))
+    )
+
+
+def _path(key: str) -> list[str]:
+    return key.upper().removeprefix("RLBUS_").split("__")
+
+
+def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
+    fields = {name.upper(): f for name, f in cls.model_fields.items()}
+    field = fields.get(path[0])
+    if field is None:
+        return False
+    if len(path) == 1:
+        return True
+    sub = field.annotation
+    return isinstance(sub, type) and issubclass(sub, BaseModel) and _names_field(sub, path[1:])
+
+
+def settings_classes() -> list[type[BaseModel]]:
+    """The settings class of every rlbus service (the runner's table) and of the operator
+    commands. Imported only when a variable needs checking: those modules import this one."""
+    from rlbus.ops.admin import AdminSettings
+    from rlbus.runner import SERVICES, settings_class
+
+    return [*(settings_class(name) for name in SERVICES), AdminSettings]
+
+
+def variable_names(cls: type[BaseModel], prefix: str = "RLBUS_") -> list[str]:
+    """Every variable that sets a field of ``cls``, sections too (RLBUS_KAFKA, RLBUS_KAFKA__X)."""
+    names = []
+    for name, field in cls.model_fields.items():
+        var = prefix + name.upper()
+        names.append(var)
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            names += variable_names(sub, var + "__")
+    return names
+
+
+def readers_of(key: str, classes: list[type[BaseModel]]) -> list[str]:
+    """Names of the settings classes that have a field for the variable ``key``."""
+    return [c.__name__ for c in classes if _names_field(c, _path(key))]
+
+
+def suggestion(key: str, classes: list[type[BaseModel]]) -> str:
+    """`` (did you mean RLBUS_X?)`` for the closest known variable, or nothing."""
+    known = {n.removeprefix("RLBUS_") for c in classes for n in variable_names(c)}
+    close = difflib.get_close_matches(key.upper().removeprefix("RLBUS_"), sorted(known), n=1)
+    return f" (did you mean RLBUS_{close[0]}?)" if close else ""
+
+
+def check_env(cls: type[ServiceSettings], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Raise :class:`UnknownSettingError` for RLBUS_* variables no rlbus service reads;
+    return those that only other services read (``cls`` ignores them)."""
+    unknown = set(unknown_env_keys(cls, environ))
+    for other in cls.also_accepted():
+        unknown &= set(unknown_env_keys(other, environ))
+    if not unknown:
+        return []
+    classes = settings_classes()
+    strangers = sorted(k for k in unknown if not readers_of(k, classes))
+    if strangers:
+        raise UnknownSettingError(
+            "no rlbus service has a setting for "
+            + ", ".join(k + suggestion(k, classes) for k in strangers)
+            + "; nested keys use __, e.g. RLBUS_KAFKA__BOOTSTRAP"
+        )
+    return sorted(unknown)
+
+
+def _report_unused(cls: type[BaseModel], keys: list[str]) -> None:
+    """Log each variable that only other tiers read, once per process and class."""
+    fresh = [k for k in keys if (cls.__name__, k) not in _REPORTED]
+    classes = settings_classes() if fresh else []
+    for key in fresh:
+        _REPORTED.add((cls.__name__, key))
+        readers = ", ".join(readers_of(key, classes))
+        log.warning(
+            "%s is not a setting of %s (it is one of %s); ignored", key, cls.__name__, readers
+        )
+
+
+class ServiceSettings(BaseSettings):
+    """The part of every service's settings that is the same everywhere."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RLBUS_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    kafka: KafkaSettings = KafkaSettings()
+    """Broker connection."""
+    topics: TopicSettings = TopicSettings()
+    """Topic names and shapes."""
+    instance: str = "0"
+    """This member's name within its tier; appears in logs and transactional ids."""
+    group: str = ""
+    """Consumer group; default ``<topic prefix>.<tier>``, so runs under different prefixes
+    on one cluster never share a group."""
+    limits: Limits = Limits()
+    """Operator limits on what a message may ask for (``RLBUS_LIMITS__*``); over one, the
+    message is dead-lettered before any work starts."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level."""
+    max_messages: int | None = None
+    """Stop after handling this many input messages (bounded runs for tests)."""
+    until_idle_s: float | None = None
+    """Stop after this many seconds without input (bounded runs for tests)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long to finish in-flight work before giving it back."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The asyncio event loop: uvloop (faster per message; docs/performance.md) where it is
+    installed (not on Windows, which falls back to asyncio's own), or asyncio's own."""
+
+    @classmethod
+    def also_accepted(cls) -> list[type[BaseModel]]:
+        """Settings classes whose RLBUS_* variables this one takes without logging them as
+        unused (operator commands run in shells configured for a service)."""
+        return []
+
+    def __init__(self, **values: Any) -> None:
+        _report_unused(type(self), check_env(type(self)))
+        super().__init__(**values)

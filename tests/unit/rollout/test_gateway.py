@@ -1,0 +1,224 @@
+"""The OpenAI gateway against the official `openai` SDK, with a scripted policy (no Kafka:
+tests/integration/test_gateway_kafka.py runs it through the four tiers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from rlbus.api import Generation
+from rlbus.learner.chat_model import build_chat_model
+from rlbus.messages import Sampling
+from rlbus.rollout.gateway import Gateway, parse_tool_calls
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
+
+
+class Scripted:
+    """A policy that answers each call with the next scripted text (and its eos)."""
+
+    def __init__(self, tokenizer, replies: list[str], delay_s: float = 0.0) -> None:
+        self.tok, self.replies, self.delay_s = tokenizer, list(replies), delay_s
+        self.contexts: list[list[int]] = []
+        self.cancelled = 0
+
+    async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
+        self.contexts.append(list(input_ids))
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False)
+        ids.append(self.tok.eos_token_id)
+        return Generation(ids, [-0.5] * len(ids), policy_version=7)
+
+
+@pytest.fixture
+async def gateway():
+    g = Gateway("policy")
+    await g.start()
+    yield g
+    await g.stop()
+
+
+def _client(g: Gateway, sid: str, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=g.base_url(sid), api_key=sid, max_retries=0, **kw)
+
+
+async def test_multi_turn_chat_records_exact_tokens(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["hello there", "four"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id)
+        messages = [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"}]
+        first = await client.chat.completions.create(model="policy", messages=messages)
+        assert first.choices[0].message.content == "hello there"
+        assert first.choices[0].finish_reason == "stop"
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "2 + 2 ?"}]
+        second = await client.chat.completions.create(model="policy", messages=messages)
+        assert second.choices[0].message.content == "four"
+        assert (await client.models.list()).data[0].id == "policy"
+    t0, t1 = s.turns
+    # the second context is the first context + the sampled ids + only the new messages
+    assert policy.contexts[1][: len(policy.contexts[0])] == policy.contexts[0]
+    assert policy.contexts[1] == t0.input_ids + t0.completion_ids + t1.input_ids
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    assert tokenizer.decode(policy.contexts[1], skip_special_tokens=False) == rendered
+    assert {t.policy_version for t in s.turns} == {7}
+    assert s.failed is None
+
+
+async def test_a_tool_round_trip(gateway, tokenizer):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
+    policy = Scripted(tokenizer, [call, "it is 42"])
+    tools = [{"type": "function", "function": {
+        "name": "add", "description": "a + b", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"},
+                                             "b": {"type": "integer"}}}}}]
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=4096) as s:
+        client = _client(gateway, s.id)
+        messages: list = [{"role": "user", "content": "what is 2 + 40?"}]
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        (tc,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 2,
+                                                                                   "b": 40}
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": "42"}]
+        r2 = await client.chat.completions.create(model="policy", messages=messages,
+                                                  tools=tools)
+        assert r2.choices[0].message.content == "it is 42"
+    assert s.failed is None and len(s.turns) == 2
+    assert "<tool_response>" in tokenizer.decode(s.turns[1].input_ids)
+
+
+def test_malformed_tool_calls_stay_content():
+    text = 'sure <tool_call>{"name": broken</tool_call> and <tool_call>[1]</tool_call>'
+    assert parse_tool_calls(text) == (text, [])
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}'
+                                      "</tool_call> done")
+    assert content == "done" and calls[0]["function"] == {"name": "f",
+                                                          "arguments": '{"x": 1}'}
+
+
+async def test_an_edited_history_fails_the_episode_with_the_reason(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["one", "two"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id)
+        messages = [{"role": "user", "content": "count"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": "ONE (edited)"},
+                     {"role": "user", "content": "again"}]
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="policy", messages=messages)
+        assert err.value.code == "context_diverged"
+        assert "other text than the tokens the model saw" in str(err.value)
+        with pytest.raises(openai.BadRequestError, match="this episode has failed"):
+            await client.chat.completions.create(model="policy", messages=messages[:1])
+    assert s.failed and len(s.turns) == 1
+
+
+async def test_bad_requests_get_openai_errors_never_a_500(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["x"] * 10)
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=64) as s:
+        client = _client(gateway, s.id)
+        hi = [{"role": "user", "content": "hi"}]
+        cases = [
+            (dict(model="gpt-4", messages=hi), openai.NotFoundError, "model_not_found"),
+            (dict(model="policy", messages=[{"role": "user", "content": "word " * 200}]),
+             openai.BadRequestError, "context_length_exceeded"),
+            (dict(model="policy", messages=hi, n=2), openai.BadRequestError,
+             "unsupported_parameter"),
+            (dict(model="policy", messages=hi, logprobs=True), openai.BadRequestError,
+             "unsupported_parameter"),
+            (dict(model="policy", messages=hi, presence_penalty=0.5), openai.BadRequestError,
+             "unsupported_parameter"),
+            (dict(model="policy", messages=[]), openai.BadRequestError, None),
+            (dict(model="policy", messages=hi, temperature=-1), openai.BadRequestError, None),
+        ]
+        for kwargs, error, code in cases:
+            with pytest.raises(error) as err:
+                await client.chat.completions.create(**kwargs)
+            assert err.value.code == code, (kwargs, err.value.body)
+            assert err.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
+            await client.chat.completions.create(model="policy", messages=hi, stream=True)
+        async with httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw:
+            for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+                r = await raw.post("/chat/completions", content=body,
+                                   headers={"content-type": "application/json"})
+                assert r.status_code == 400 and "error" in r.json(), r.text
+            r = await raw.post("/chat/completions", json={"model": "policy"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            r = await raw.get("/nope")
+            assert r.status_code == 404 and "error" in r.json()
+            r = await raw.post("/chat/completions", content=b"x" * (17 * 1024 * 1024),
+                               headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+            async def chunks():  # no content-length: the cap holds on the stream too
+                for _ in range(20):
+                    yield b"y" * (1024 * 1024)
+
+            r = await raw.post("/chat/completions", content=chunks())
+            assert r.status_code == 413
+        assert s.failed is None and not s.turns  # none of it reached the policy
+
+
+async def test_an_unknown_session_is_refused(gateway):
+    client = _client(gateway, "not-a-session")
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(model="policy",
+                                             messages=[{"role": "user", "content": "hi"}])
+    # the API key alone also names the session, on the plain /v1 base url
+    keyed = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await keyed.chat.completions.create(model="policy",
+                                            messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_a_client_that_disconnects_mid_call_fails_its_episode(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["late"], delay_s=30)
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="policy",
+                                                 messages=[{"role": "user", "content": "hi"}])
+        await wait_until(lambda: policy.cancelled, "the generation is cancelled")
+        assert policy.cancelled == 1  # the generation was cancelled, not left running
+        assert s.failed == "the client disconnected mid-call" and not s.turns
+
+
+async def test_concurrent_sessions_are_independent(gateway, tokenizer):
+    async def one(i: int) -> tuple[str, list]:
+        policy = Scripted(tokenizer, [f"answer {i}"], delay_s=0.05)
+        async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                                   max_context_tokens=2048) as s:
+            r = await _client(gateway, s.id).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": f"q {i}"}])
+            return r.choices[0].message.content, s.turns
+
+    results = await asyncio.gather(*(one(i) for i in range(32)))
+    assert [c for c, _ in results] == [f"answer {i}" for i in range(32)]
+    assert all(len(t) == 1 for _, t in results)
+    assert not gateway.sessions  # every session closed
+
