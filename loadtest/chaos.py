@@ -42,7 +42,8 @@ from loadtest import report
 from rlbus.codec import decode, encode
 from rlbus.messages import DeadLetter, Prompt, Trajectory
 from rlbus.ops.broker import LocalCluster
-from rlbus.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.ops.launcher import ServiceProcesses
+from rlbus.processes import child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, ensure_topics

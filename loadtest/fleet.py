@@ -24,7 +24,8 @@ from types import TracebackType
 
 from loadtest.metrics import ArmResult, masked, read_rows
 from loadtest.scenario import Scenario
-from rlbus.ops.launcher import Proc, ServiceProcesses, child_env
+from rlbus.ops.launcher import Proc, ServiceProcesses
+from rlbus.processes import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import ensure_topics
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbus.ops.launcher import die_with_parent
+from rlbus.processes import die_with_parent
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "naive": {},

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from rlbus.reward import sandbox
+from rlbus import sandbox
 
 PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
 LIMITS = sandbox._Limits(timeout_s=5.0, cpu_s=5, memory_mb=256, max_processes=16,

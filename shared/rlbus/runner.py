@@ -16,31 +16,26 @@ from pydantic import ValidationError
 
 from rlbus import logs, telemetry
 from rlbus.plugins import PluginError
-from rlbus.settings import ServiceSettings, UnknownSettingError
+from rlbus.settings import ServiceSettings, UnknownSettingError, tiers
 from rlbus.transport import BrokerConnectError
 
-SERVICES: dict[str, tuple[str, str]] = {
-    name: (
-        f"rlbus.{name}.settings:{cls}Settings",
-        f"rlbus.{name}.service:{cls}",
-    )
-    for name, cls in (
-        ("rollout", "Rollout"),
-        ("inference", "Inference"),
-        ("reward", "Reward"),
-        ("learner", "Learner"),
-    )
-}
 
-
-def load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def tier_names() -> tuple[str, ...]:
+    """The installed tiers (entry-point group ``rlbus.tiers``; see :func:`rlbus.settings.tiers`)."""
+    return tuple(tiers())
 
 
 def settings_class(name: str) -> type[ServiceSettings]:
-    cls: type[ServiceSettings] = load(SERVICES[name][0])
-    return cls
+    found = tiers()
+    if name not in found:
+        raise SystemExit(f"rlbus: no tier named {name!r}; installed: {', '.join(found)}")
+    return found[name]
+
+
+def load(path: str) -> Any:
+    """``module:attr``, imported."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def configure_logging(level: str) -> None:
@@ -71,7 +66,7 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     configure_logging(settings.log_level)
     telemetry.setup(f"rlbus-{name}")
     try:
-        service = load(SERVICES[name][1])(settings)
+        service = load(type(settings).service)(settings)
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
             summary: dict[str, Any] = runner.run(service.serve())
     except BrokerConnectError as exc:

@@ -14,8 +14,9 @@ import difflib
 import logging
 import os
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -125,13 +126,33 @@ def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
     return isinstance(sub, type) and issubclass(sub, BaseModel) and _names_field(sub, path[1:])
 
 
-def settings_classes() -> list[type[BaseModel]]:
-    """The settings class of every rlbus service (the runner's table) and of the operator
-    commands. Imported only when a variable needs checking: those modules import this one."""
-    from rlbus.ops.admin import AdminSettings
-    from rlbus.runner import SERVICES, settings_class
+TIERS_GROUP = "rlbus.tiers"
+"""Entry-point group of the tiers: ``<name> = <module>:<ServiceSettings subclass>``, the
+subclass naming its service class in :attr:`ServiceSettings.service`. The core names no tier:
+the runner, the CLI and the variable checks below find them here."""
+SETTINGS_GROUP = "rlbus.settings"
+"""Entry-point group of other settings classes that read RLBUS_* variables (the operator
+commands'), so that a variable only they read is not reported as unknown."""
 
-    return [*(settings_class(name) for name in SERVICES), AdminSettings]
+
+def tiers() -> dict[str, type[ServiceSettings]]:
+    """Every installed tier's settings class by tier name, sorted by name. Imports the
+    settings modules only, never a service module (torch)."""
+    found: dict[str, type[ServiceSettings]] = {}
+    for ep in entry_points(group=TIERS_GROUP):
+        cls = ep.load()
+        if not (isinstance(cls, type) and issubclass(cls, ServiceSettings) and cls.service):
+            raise TypeError(f"entry point {TIERS_GROUP}:{ep.name} = {ep.value} is not a "
+                            "ServiceSettings subclass that names its service")
+        found.setdefault(ep.name, cls)
+    return dict(sorted(found.items()))
+
+
+def settings_classes() -> list[type[BaseModel]]:
+    """The settings class of every tier and of the operator commands (both registries),
+    loaded only when a variable needs checking: those modules import this one."""
+    others: list[type[BaseModel]] = [ep.load() for ep in entry_points(group=SETTINGS_GROUP)]
+    return [*tiers().values(), *others]
 
 
 def variable_names(cls: type[BaseModel], prefix: str = "RLBUS_") -> list[str]:
@@ -191,6 +212,10 @@ def _report_unused(cls: type[BaseModel], keys: list[str]) -> None:
 
 class ServiceSettings(BaseSettings):
     """The part of every service's settings that is the same everywhere."""
+
+    service: ClassVar[str] = ""
+    """A tier's service class as ``module:Class``, imported only once its settings are valid
+    (the runner; see :data:`TIERS_GROUP`); empty for settings that run no service."""
 
     model_config = SettingsConfigDict(
         env_prefix="RLBUS_",

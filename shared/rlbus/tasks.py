@@ -249,7 +249,7 @@ class PythonTests(Task):
         return PythonTestsEnv()
 
     def score(self, task: TaskSpec, actions: Sequence[str]) -> float:
-        from rlbus.reward.code_verifier import python_tests  # the sandbox: reward only
+        from rlbus.code_verifier import python_tests  # the sandbox: reward only
 
         return python_tests(task, actions)
 

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 
 STEPS = 30
 KAFKA_CLIENT_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) ((?:aio)?kafka\S*): (.*)$")

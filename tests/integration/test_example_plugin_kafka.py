@@ -19,7 +19,8 @@ from rlbus.codec import decode
 from rlbus.learner.chat_model import build_chat_model
 from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import ScoredTrajectory
-from rlbus.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.ops.launcher import ServiceProcesses
+from rlbus.processes import child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.ops.broker import LocalCluster
-from rlbus.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.ops.launcher import ServiceProcesses
+from rlbus.processes import child_env, tail
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import ensure_topics
 from tests.support.ledger import LedgerCheck, check_ledger, expected_episodes, load_ledger

@@ -12,7 +12,7 @@ import pytest
 from rlbus.codec import encode
 from rlbus.messages import Prompt, StepRequest, Trajectory
 from rlbus.ops import inspection
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus, RawRecord

@@ -16,7 +16,7 @@ import torch
 from rlbus.inference.service import Inference
 from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import WeightVersion
-from rlbus.ops.launcher import child_env, spawn_process, tail
+from rlbus.processes import child_env, spawn_process, tail
 from rlbus.reward.service import Reward
 from rlbus.rollout.service import Rollout
 from rlbus.settings import KafkaSettings, TopicSettings

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from rlbus.ops.launcher import ServiceProcesses, child_env
+from rlbus.ops.launcher import ServiceProcesses
+from rlbus.processes import child_env
 from tests.polling import wait_until_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

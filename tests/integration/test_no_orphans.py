@@ -1,6 +1,6 @@
 """Whatever kills `rlbus demo`, a load test or pytest, nothing it started outlives it: not
 the broker JVM, not a service. SIGINT and SIGTERM stop the demo's run in order; SIGKILL
-leaves it no say, and the parent-death signal (launcher.die_with_parent) kills the rest,
+leaves it no say, and the parent-death signal (processes.die_with_parent) kills the rest,
 including a child that is still starting at that moment."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 from tests.polling import wait_until_sync
 from tests.support.processes import alive, cmdline, descendants
 
@@ -72,7 +72,7 @@ def test_the_demo_leaves_nothing_behind(sig, tmp_path):
                    "--no-progress", "--run-dir", str(tmp_path / "run")], "launched", log)
     # Killed at once: the services were forked a moment ago and are importing torch or
     # connecting: mid-start is the worst case. (A child still between fork and exec when its
-    # parent dies: tests/unit/ops/test_launcher.py.)
+    # parent dies: tests/unit/core/test_processes.py.)
     _kill_and_check(proc, sig, log)
 
 

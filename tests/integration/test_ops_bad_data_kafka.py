@@ -20,7 +20,7 @@ from aiokafka.structs import TopicPartition
 
 from rlbus.codec import encode
 from rlbus.messages import DeadLetter
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from tests import factories

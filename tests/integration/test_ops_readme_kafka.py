@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

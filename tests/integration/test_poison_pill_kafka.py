@@ -102,7 +102,8 @@ async def test_a_rollout_process_fed_the_pill_still_stops_on_sigterm(
     import signal
     import time
 
-    from rlbus.ops.launcher import ServiceProcesses, child_env
+    from rlbus.ops.launcher import ServiceProcesses
+    from rlbus.processes import child_env
 
     kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
     topics = TopicSettings(prefix=unique_name("pill"), partitions=1, result_partitions=1)

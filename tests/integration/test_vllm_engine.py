@@ -117,7 +117,7 @@ def _stop_token(greedy: list[list[int]]) -> dict[str, int]:
 
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
-    from rlbus.ops.launcher import child_env
+    from rlbus.processes import child_env
 
     return child_env(extra)
 
@@ -251,7 +251,7 @@ def test_inference_service_end_to_end(vllm_python: Path, models: dict[str, Any],
                                       unique_name: Any, tmp_path: Path) -> None:
     """A real inference process with RLBUS_ENGINE=vllm: it loads v2 announced on the weights
     topic, answers step requests with v2's tokens, and drains on SIGTERM."""
-    from rlbus.ops.launcher import spawn_process
+    from rlbus.processes import spawn_process
 
     env = _child_env({**ENGINE_ENV, "RLBUS_ENGINE": "vllm", "RLBUS_MODEL_PATH": str(models["v1"]),
                       "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap,

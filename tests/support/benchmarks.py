@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,8 @@ class SyntheticEngineSettings(BaseModel):
 
 class InferenceSettings(ServiceSettings):
     """One inference replica: a consumer of steps that answers with completions."""
+
+    service: ClassVar[str] = "rlbus.inference.service:Inference"
 
     engine: Literal["hf", "synthetic", "vllm"] = "hf"
     """hf: transformers + torch (CPU or GPU); synthetic: latency only; vllm: vLLM's async

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -12,6 +12,8 @@ from rlbus.settings import ServiceSettings
 
 class LearnerSettings(ServiceSettings):
     """The learner: GRPO on scored trajectories, weight publication and the prompt feeder."""
+
+    service: ClassVar[str] = "rlbus.learner.service:Learner"
 
     model_path: Path | None = None
     """Folder of the initial policy (a Hugging Face causal LM)."""

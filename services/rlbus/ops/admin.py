@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from rlbus.messages import Prompt, Sampling
-from rlbus.settings import ServiceSettings
+from rlbus.settings import ServiceSettings, tiers
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus, admin_client
 
@@ -27,9 +27,7 @@ class AdminSettings(ServiceSettings):
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:
-        from rlbus.runner import SERVICES, settings_class
-
-        return [settings_class(name) for name in SERVICES]
+        return list(tiers().values())
 
 
 async def topics_command(action: str) -> int:

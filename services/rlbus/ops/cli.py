@@ -18,9 +18,6 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-SERVICE_NAMES = ("rollout", "inference", "reward", "learner")
-
-
 MODEL_SIZES = ("tiny", "small", "h64")
 """The tiny model builder's sizes (tiny_model.SIZES; a test holds them equal): listed here
 because this module must not import torch."""
@@ -49,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="interpreter of vLLM's venv (make vllm-env)")
 
     run = sub.add_parser("run", help="run one service until SIGTERM")
-    run.add_argument("service", choices=SERVICE_NAMES)
+    from rlbus.settings import tiers  # the installed tiers' registry (settings modules only)
+
+    run.add_argument("service", choices=tuple(tiers()))
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics.add_argument("action", choices=("create", "list"))

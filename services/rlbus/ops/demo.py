@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlbus.ops.launcher import ServiceProcesses, child_env, tail
+from rlbus.ops.launcher import ServiceProcesses
+from rlbus.processes import child_env, tail
 
 # The demo's training recipe: small batches, many steps, one token per guess, two optimizer
 # passes per batch and an entropy bonus over every trained token (searched in-process, then
@@ -210,7 +211,7 @@ def demo_command(args: argparse.Namespace) -> int:
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
     # the learner checkpoints, the broker stops. Had we died instead, the services and the
-    # broker would still be SIGKILLed by their parent-death signal (launcher.die_with_parent).
+    # broker would still be SIGKILLed by their parent-death signal (processes.die_with_parent).
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         env = demo.prepare()

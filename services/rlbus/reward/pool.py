@@ -30,7 +30,7 @@ from typing import Any
 
 from rlbus.codec import decode, encode
 from rlbus.messages import Trajectory
-from rlbus.ops.launcher import die_with_parent
+from rlbus.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 

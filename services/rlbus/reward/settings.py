@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from rlbus.settings import ServiceSettings
@@ -9,6 +11,8 @@ from rlbus.settings import ServiceSettings
 
 class RewardSettings(ServiceSettings):
     """One reward instance: scores trajectories and publishes them exactly once."""
+
+    service: ClassVar[str] = "rlbus.reward.service:Reward"
 
     verifier_timeout_s: float = Field(default=10.0, gt=0)
     """A verifier still running after this has its process killed and the sample masked."""

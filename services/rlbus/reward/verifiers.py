@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from rlbus import plugins
 from rlbus.api import Task, Verdict, Verifier
+from rlbus.code_verifier import python_tests
 from rlbus.messages import Trajectory
-from rlbus.reward.code_verifier import python_tests
 from rlbus.tasks import exact_match, numeric_answer
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -12,6 +12,8 @@ from rlbus.settings import ServiceSettings
 
 class RolloutSettings(ServiceSettings):
     """One rollout instance: runs episodes of the prompts its consumer group hands it."""
+
+    service: ClassVar[str] = "rlbus.rollout.service:Rollout"
 
     model_path: Path | None = None
     """Folder with the policy's tokenizer (the same folder inference loads)."""

@@ -311,7 +311,7 @@ def test_a_service_naming_a_missing_plugin_exits_with_one_clear_line():
     import subprocess
     import sys
 
-    from rlbus.ops.launcher import child_env
+    from rlbus.processes import child_env
 
     done = subprocess.run(
         [sys.executable, "-m", "rlbus.ops.cli", "run", "learner"],

@@ -13,7 +13,7 @@ import pytest
 from rlbus import settings
 from rlbus.inference.settings import InferenceSettings
 from rlbus.ops.admin import AdminSettings
-from rlbus.ops.launcher import child_env
+from rlbus.processes import child_env
 from rlbus.reward.settings import RewardSettings
 from rlbus.settings import UnknownSettingError
 

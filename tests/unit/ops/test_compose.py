@@ -18,7 +18,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlbus.runner import SERVICES, settings_class
+from rlbus.runner import settings_class, tier_names
 from rlbus.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -145,7 +145,7 @@ SETTINGS_SERVICE_NAMES = sorted(
 
 def test_the_four_services_and_the_setup_services_exist():
     names = set(services())
-    assert set(SERVICES) <= names
+    assert set(tier_names()) <= names
     assert {"kafka", "topics", "jaeger", "model-init"} <= names
 
 
@@ -191,13 +191,13 @@ def test_run_commands_name_a_service():
         if (s.get("command") or [])[:1] == ["run"]
     }
     for name, command in runs.items():
-        assert len(command) == 2 and command[1] in SERVICES, (name, command)
-    for service in SERVICES:  # each of the four runs under its own name
+        assert len(command) == 2 and command[1] in tier_names(), (name, command)
+    for service in tier_names():  # each of the four runs under its own name
         assert runs[service] == ["run", service]
 
 
 def test_otel_service_names():
-    for name in SERVICES:
+    for name in tier_names():
         env = environment(services()[name])
         assert env["OTEL_SERVICE_NAME"] == f"rlbus-{name}"
         assert env["OTEL_TRACES_EXPORTER"] == "otlp"
@@ -227,7 +227,7 @@ def test_topics_service_creates_the_catalogue_once():
     assert topics["restart"] == "no"
 
 
-@pytest.mark.parametrize("name", [*SERVICES, "inference-gpu"])
+@pytest.mark.parametrize("name", [*tier_names(), "inference-gpu"])
 def test_services_wait_for_setup(name):
     depends = services()[name]["depends_on"]
     assert depends["topics"]["condition"] == "service_completed_successfully"
@@ -235,7 +235,7 @@ def test_services_wait_for_setup(name):
         assert depends["model-init"]["condition"] == "service_completed_successfully"
 
 
-@pytest.mark.parametrize("name", [*SERVICES, "inference-gpu"])
+@pytest.mark.parametrize("name", [*tier_names(), "inference-gpu"])
 def test_services_can_be_scaled(name):
     service = services()[name]
     assert "container_name" not in service

@@ -39,7 +39,7 @@ from rlbus.ops.broker.jars import (
     resolve_jars,
     tail_text,
 )
-from rlbus.ops.launcher import die_with_parent
+from rlbus.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 

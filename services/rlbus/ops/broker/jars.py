@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlbus.ops.launcher import die_with_parent
+from rlbus.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 

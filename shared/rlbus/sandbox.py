@@ -57,7 +57,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from rlbus.reward.sandbox_uids import (
+from rlbus.sandbox_uids import (
     _UIDS,
     SandboxError,
     _kill_all,

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from rlbus.reward import sandbox
-from rlbus.reward.code_verifier import extract_program, python_tests
-from rlbus.reward.sandbox import (
+from rlbus import sandbox
+from rlbus.code_verifier import extract_program, python_tests
+from rlbus.sandbox import (
     UID_BASE,
     Isolation,
     SandboxResult,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.ops.launcher import child_env, spawn_process
+from rlbus.processes import child_env, spawn_process
 from tests.polling import wait_until_sync
 from tests.support.processes import with_token
 
@@ -25,7 +25,7 @@ GRACE_S = 15.0
 SPAWN_FOREVER = """
 import os, sys
 from pathlib import Path
-from rlbus.ops.launcher import spawn_process
+from rlbus.processes import spawn_process
 token, log = sys.argv[1], Path(sys.argv[2])
 while True:
     spawn_process([sys.executable, "-c", "import time; time.sleep(600)", token],
@@ -53,7 +53,7 @@ def test_a_parent_killed_while_spawning_leaves_no_child(children, tmp_path):
 
 ADOPTED = """
 import os, sys, time
-from rlbus.ops.launcher import die_with_parent
+from rlbus.processes import die_with_parent
 token, marker = sys.argv[1], sys.argv[2]
 arm = die_with_parent()  # made in this process, as spawn_process does before it forks
 middle = os.getpid()

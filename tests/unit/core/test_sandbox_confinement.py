@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from rlbus.reward import sandbox, sandbox_uids
-from rlbus.reward.sandbox import (
+from rlbus import sandbox, sandbox_uids
+from rlbus.sandbox import (
     Isolation,
     SandboxError,
     detect_isolation,
