@@ -58,14 +58,16 @@ class Service(ABC, Generic[S]):
 
     @abstractmethod
     async def setup(self) -> None:
-        """Create producers and consumers."""
+        """Build what the service owns: producers, consumers, models. What ``drain`` uses may
+        be plain attributes set here; what ``close`` releases starts as None in ``__init__``."""
 
     @abstractmethod
     async def main(self) -> None:
         """The main loop; must return soon after ``self.stopping`` turns true."""
 
     async def drain(self) -> None:
-        """Finish or hand back in-flight work and commit; called once on the way out."""
+        """Finish or hand back in-flight work and commit; called once on the way out, and
+        only after a setup that completed (a failed one took no work)."""
 
     async def close(self) -> None:
         """Release what ``setup`` made besides Kafka clients; called last, even after a
@@ -162,7 +164,8 @@ class Service(ABC, Generic[S]):
 
     async def _shutdown(self) -> None:
         try:
-            await asyncio.wait_for(self.drain(), self.settings.drain_timeout_s)
+            if self.ready.is_set():
+                await asyncio.wait_for(self.drain(), self.settings.drain_timeout_s)
         except TimeoutError:
             log.warning("%s drain timed out; uncommitted work will be redelivered", self.member)
         except Exception:

@@ -286,7 +286,8 @@ class Inference(Service[InferenceSettings]):
             for task in late:  # unacked: their requests are redelivered and answered again
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        if hasattr(self, "steps"):
-            await self.steps.commit()
-        if self.engine is not None:
+        await self.steps.commit()
+
+    async def close(self) -> None:
+        if self.engine is not None:  # None: setup failed before it built one
             await self.engine.close()

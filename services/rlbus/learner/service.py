@@ -341,7 +341,7 @@ class Learner(Service[LearnerSettings]):
 
     async def drain(self) -> None:
         """Checkpoint what was trained since the last checkpoint; untrained work stays."""
-        if hasattr(self, "scored") and self.step and self.step % self.settings.checkpoint_every:
+        if self.step and self.step % self.settings.checkpoint_every:
             await self._checkpoint()
 
     async def close(self) -> None:

@@ -146,7 +146,7 @@ class Rollout(Service[RolloutSettings]):
             [self.topics.prompts], Prompt, group_id=self.group
         )
         if isinstance(self.agent, ChatAgent):
-            if not hasattr(self.tokenizer, "tok"):
+            if not isinstance(self.tokenizer, Tokenizer):
                 raise ValueError(f"agent {self.settings.agent!r} talks to the OpenAI gateway, "
                                  "which needs the policy's own tokenizer (RLBUS_TOKENIZER=hf)")
             self.gateway = Gateway(self.settings.served_model_name, self.settings.gateway_host,
@@ -379,8 +379,7 @@ class Rollout(Service[RolloutSettings]):
             await asyncio.wait(self._groups, timeout=self.settings.drain_timeout_s * 0.8)
         for task in list(self._groups):
             task.cancel()
-        if hasattr(self, "prompts"):
-            await self.prompts.commit()
+        await self.prompts.commit()
 
     async def close(self) -> None:
         if self.gateway is not None:

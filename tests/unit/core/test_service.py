@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from rlbus.reward.service import Reward
 from rlbus.reward.settings import RewardSettings
 from rlbus.settings import TopicSettings
@@ -67,6 +69,30 @@ async def test_a_crashed_background_task_stops_the_service_instead_of_vanishing(
     reward.spawn("boom", boom())  # crashes while the service runs
     summary = await asyncio.wait_for(run, 30)
     assert "watcher died" in summary["stop_reason"]
+
+
+async def test_a_failed_setup_is_closed_but_not_drained():
+    """Drain may use all that setup builds (a failed setup took no work); close releases
+    whatever it had built."""
+
+    class Broken(Reward):
+        calls: list[str] = []
+
+        async def setup(self) -> None:
+            await super().setup()
+            raise RuntimeError("no model")
+
+        async def drain(self) -> None:
+            self.calls.append("drain")
+
+        async def close(self) -> None:
+            self.calls.append("close")
+            await super().close()
+
+    broken = Broken(RewardSettings(topics=TOPICS), MemoryBus(memory_broker(TOPICS)))
+    with pytest.raises(RuntimeError, match="no model"):
+        await asyncio.wait_for(broken.run(), 30)
+    assert broken.calls == ["close"]
 
 
 def test_services_run_on_uvloop_unless_told_otherwise():
