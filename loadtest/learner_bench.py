@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlbus.learner.work import Work
 from rlbus.processes import die_with_parent
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -67,7 +68,7 @@ def batch(vocab: int = 32_000) -> list[Any]:
         ids = [rng.randrange(1, vocab) for _ in range(TOKENS)]
         sampled = [i >= PROMPT for i in range(TOKENS)]
         logprobs = [-rng.uniform(5.0, 15.0) if s else 0.0 for s in sampled]
-        out.append((ids, sampled, logprobs, rng.choice([-1.0, 1.0])))
+        out.append(Work(ids, sampled, logprobs, rng.choice([-1.0, 1.0])))
     return out
 
 
@@ -90,7 +91,7 @@ def child(variant: str, folder: Path, steps: int, threads: int | None) -> dict[s
         times.append(time.perf_counter() - t0)
     return {"variant": variant, "step_s": times[-1], "steps_s": times,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "micro_batches": stats.get("micro_batches", 1.0), "threads": torch.get_num_threads()}
+            "micro_batches": stats.micro_batches, "threads": torch.get_num_threads()}
 
 
 def _naive(trainer: Any) -> Any:
@@ -98,22 +99,24 @@ def _naive(trainer: Any) -> Any:
     import torch
 
     from rlbus.learner.grpo import collate, policy_loss
+    from rlbus.learner.stats import UpdateStats
 
-    def optimize(work: list[Any]) -> dict[str, float]:
-        b = collate([w[0] for w in work], [w[1] for w in work], [w[2] for w in work], 0)
+    def optimize(work: list[Any]) -> UpdateStats:
+        b = collate([w.ids for w in work], [w.sampled for w in work], [w.logprobs for w in work],
+                    0)
         logits = trainer.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
         logp = logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V) in fp32
         token_lp = logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1)  # computed and discarded, as before
         del entropy
         loss, _ = policy_loss(token_lp, b.behaviour_logprobs,
-                              torch.tensor([w[3] for w in work]), b.loss_mask,
+                              torch.tensor([w.advantage for w in work]), b.loss_mask,
                               clip_low=0.2, clip_high=0.28, norm="token")
         trainer.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1.0)
         trainer.optimizer.step()
-        return {"micro_batches": 1.0}
+        return UpdateStats(loss=float(loss), clip_frac=0.0, approx_kl=0.0, micro_batches=1)
 
     return optimize
 

@@ -2,13 +2,15 @@
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/support/ddp_steps.py MODEL OUT``
 (or plain ``python tests/support/ddp_steps.py MODEL OUT`` for the world of one). Rank 0
-drives, as the learner service does: it broadcasts each step's samples and trains its shard;
+drives with ``Trainer.lead``, as the learner service does: it broadcasts each step's
+samples and trains its shard;
 the other ranks run ``Trainer.follow`` until rank 0's ``close``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -17,7 +19,8 @@ from pathlib import Path
 import torch
 
 from rlbus.learner.settings import LearnerSettings
-from rlbus.learner.trainer import Trainer, Work
+from rlbus.learner.trainer import Trainer
+from rlbus.learner.work import Work
 
 
 def steps(count: int) -> list[list[Work]]:
@@ -32,7 +35,7 @@ def steps(count: int) -> list[list[Work]]:
             ids = [rng.randrange(3, 40) for _ in range(length)]
             sampled = [i >= 3 and rng.random() < 0.6 for i in range(length)]
             logprobs = [-rng.uniform(0.5, 4.0) if s else 0.0 for s in sampled]
-            batch.append((ids, sampled, logprobs, rng.choice([-1.5, -0.5, 0.7, 1.2])))
+            batch.append(Work(ids, sampled, logprobs, rng.choice([-1.5, -0.5, 0.7, 1.2])))
         out.append(batch)
     return out
 
@@ -49,10 +52,10 @@ def main() -> None:
                           micro_batch_tokens=a.micro_batch_tokens, entropy_coef=0.01)
     trainer = Trainer(cfg)
     world = trainer.world
-    stats = []
+    stats: list[dict[str, object]] = []
     if world.main:
         for work in steps(a.steps):
-            stats.append(trainer.optimize(world.broadcast(("step", work))[1]))
+            stats.append(dataclasses.asdict(trainer.lead(work)))
         trainer.close()
     else:
         followed = trainer.follow()

@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,9 @@ from rlbus import plugins, telemetry
 from rlbus.learner.feeder import Feeder
 from rlbus.learner.groups import GroupAssembler
 from rlbus.learner.settings import LearnerSettings
-from rlbus.learner.store import load_checkpoint, save_checkpoint, save_weights
-from rlbus.learner.trainer import SyntheticTrainer, Trainer
+from rlbus.learner.stats import StepStats
+from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
+from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer
 from rlbus.limits import check_identity, check_scored
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, WeightVersion
 from rlbus.service import Service
@@ -64,15 +64,23 @@ class Learner(Service[LearnerSettings]):
         self._last_eval: dict[str, float] = {}
         self.feeder: Feeder | None = None
         self._held_since: float | None = None  # when the pending step began to wait
+        # built in setup; None until then, so that close releases it after a setup that failed
+        # later on (under torchrun the follower ranks wait for it)
+        self._trainer: StepTrainer | None = None
+
+    @property
+    def trainer(self) -> StepTrainer:
+        """The trainer :meth:`setup` built."""
+        if self._trainer is None:
+            raise RuntimeError("the learner's trainer is built in setup()")
+        return self._trainer
 
     # -- setup and restore
 
     async def setup(self) -> None:
         # On the loop thread: HF loading is not thread-safe.
         synthetic = self.settings.trainer == "synthetic"
-        self.trainer: Trainer | SyntheticTrainer = (
-            SyntheticTrainer(self.settings) if synthetic else Trainer(self.settings)
-        )
+        self._trainer = SyntheticTrainer(self.settings) if synthetic else Trainer(self.settings)
         self._restore(await asyncio.to_thread(load_checkpoint, self.settings.checkpoint_dir))
         self.producer: Producer = await self.bus.producer()
         self.version = max(self.version, await self._published_version())
@@ -89,18 +97,17 @@ class Learner(Service[LearnerSettings]):
             self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)
 
-    def _restore(self, state: dict[str, Any] | None) -> None:
-        if state is None:
+    def _restore(self, checkpoint: Checkpoint | None) -> None:
+        if checkpoint is None:
             return
-        self.trainer.restore(state)
-        self.step, self.version = state["step"], state["version"]
-        self.next_index = state["next_index"]
-        self.offsets = {(t, p): off for (t, p), off in state["offsets"]}
-        self.assembler = GroupAssembler(state["trained"])
-        self.ledger = state.get("ledger", [])
-        self._episodes_trained = state.get("episodes_trained",
-                                           sum(len(step) for step in self.ledger))
-        self._masked |= state.get("masked_by_cause", {})
+        self.trainer.restore(checkpoint.policy)
+        self.step, self.version = checkpoint.step, checkpoint.version
+        self.next_index = checkpoint.next_index
+        self.offsets = dict(checkpoint.offsets)
+        self.assembler = GroupAssembler(checkpoint.trained)
+        self.ledger = [list(step) for step in checkpoint.ledger]
+        self._episodes_trained = checkpoint.episodes_trained
+        self._masked |= checkpoint.masked_by_cause
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
 
     async def _published_version(self) -> int:
@@ -250,20 +257,20 @@ class Learner(Service[LearnerSettings]):
         with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
         self._record_staleness(groups)
-        telemetry.LOSS.record(stats["loss"])
+        telemetry.LOSS.record(stats.loss)
         self.step += 1
         self.version += 1
         for g in groups:
             for d in g.deliveries:
                 self.scored.ack(d)
         # what entered the loss: masked episodes (stale, failed, invalid) are counted apart
-        self._episodes_trained += int(stats["trained"])
-        for cause in MASK_CAUSES:
-            self._masked[cause] += int(stats[f"masked_{cause}"])
+        self._episodes_trained += stats.masks.trained
+        for cause, n in stats.masks.by_cause.items():
+            self._masked[cause] += n
         await self._publish_weights()
         self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
-        self._record({**stats, "waited_s": round(waited, 3)}, time.perf_counter() - t0)
+        self._record(stats, round(waited, 3), time.perf_counter() - t0)
         if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
             await self._checkpoint()
         self._progress.set()
@@ -277,16 +284,7 @@ class Learner(Service[LearnerSettings]):
                 telemetry.STALENESS.record(self.version - m.trajectory.min_version)
 
     async def _publish_weights(self) -> None:
-        uri, digest = "synthetic://", ""
-        if isinstance(self.trainer, Trainer):
-            folder, digest = await asyncio.to_thread(
-                save_weights,
-                self.trainer.model,
-                self.settings.weights_dir,
-                self.version,
-                self.settings.keep_weights,
-            )
-            uri = str(folder.resolve())
+        uri, digest = await asyncio.to_thread(self.trainer.save_weights, self.version)
         event = WeightVersion(
             model=self.settings.model_name,
             version=self.version,
@@ -300,24 +298,24 @@ class Learner(Service[LearnerSettings]):
 
     async def _checkpoint(self) -> None:
         offsets = {**self.offsets, **self.scored.tracker.committable()}
-        state = {
-            **self.trainer.state(),
-            "step": self.step,
-            "version": self.version,
-            "next_index": self.feeder.next_index if self.feeder else self.next_index,
-            "offsets": [[list(tp), off] for tp, off in offsets.items()],
-            "trained": self.assembler.trained_ids(),
-            "ledger": self.ledger,
-            "ledger_first_step": self.step - len(self.ledger) + 1,
-            "episodes_trained": self._episodes_trained,
-            "masked_by_cause": self._masked,
-        }
-        await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, state)
+        checkpoint = Checkpoint.of(
+            self.trainer.state(),
+            step=self.step,
+            version=self.version,
+            next_index=self.feeder.next_index if self.feeder else self.next_index,
+            offsets=offsets,
+            trained=self.assembler.trained_ids(),
+            ledger=self.ledger,
+            ledger_first_step=self.step - len(self.ledger) + 1,
+            episodes_trained=self._episodes_trained,
+            masked_by_cause=self._masked,
+        )
+        await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, checkpoint)
         self.offsets = offsets
         await self.scored.commit()  # Kafka's offsets follow the checkpoint, never lead it
         self.bump("checkpoints")
 
-    def _record(self, stats: dict[str, float], seconds: float) -> None:
+    def _record(self, stats: StepStats, waited_s: float, seconds: float) -> None:
         row = {
             "step": self.step,
             "version": self.version,
@@ -325,16 +323,17 @@ class Learner(Service[LearnerSettings]):
             "step_seconds": round(seconds, 4),
             "episodes_trained": self._episodes_trained,
             "duplicates_dropped": self.assembler.duplicates,
-            **{k: None if math.isnan(v) else v for k, v in stats.items()},
+            **stats.row(),
+            "waited_s": waited_s,
         }
         log.info(
             "step %d v%d reward=%.3f success=%.2f staleness<=%d loss=%.4f",
             self.step,
             self.version,
-            stats["reward_mean"],
-            stats["success_rate"],
-            int(stats["staleness_max"]),
-            stats["loss"],
+            stats.reward_mean,
+            stats.success_rate,
+            int(stats.staleness_max),
+            stats.loss,
         )
         if self.settings.metrics_file is not None:
             _append_json(self.settings.metrics_file, row)
@@ -346,9 +345,8 @@ class Learner(Service[LearnerSettings]):
 
     async def close(self) -> None:
         """Under torchrun: release the follower ranks (they exit) and leave the group."""
-        trainer = getattr(self, "trainer", None)
-        if isinstance(trainer, Trainer):
-            await asyncio.to_thread(trainer.close)
+        if self._trainer is not None:
+            await asyncio.to_thread(self._trainer.close)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "step": self.step, "version": self.version}

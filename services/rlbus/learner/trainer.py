@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +23,38 @@ from rlbus.learner.grpo import (
     score_tokens,
 )
 from rlbus.learner.settings import LearnerSettings
+from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
+from rlbus.learner.store import PolicyState, save_weights
+from rlbus.learner.work import RankMessage, Release, TrainOrder, Work
 from rlbus.limits import check_token_ids
-from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
+from rlbus.messages import ScoredTrajectory, Trajectory
 
 
-def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
+class StepTrainer(Protocol):
+    """What the learner service needs of a trainer: the GRPO :class:`Trainer`, or the
+    :class:`SyntheticTrainer` of load tests. Every method but ``admit`` runs off the event
+    loop (``asyncio.to_thread``)."""
+
+    def admit(self, t: Trajectory) -> None:
+        """Raise if ``t`` can take part in no step (it is dead-lettered alone)."""
+
+    def step(self, groups: list[Group], version: int) -> StepStats:
+        """One training step on complete groups, at policy version ``version``."""
+
+    def save_weights(self, version: int) -> tuple[str, str]:
+        """Write the weights of ``version`` for the engines; returns (uri, sha256)."""
+
+    def state(self) -> PolicyState | None:
+        """What a checkpoint keeps of the trainer (None: it has no state)."""
+
+    def restore(self, state: PolicyState | None) -> None:
+        """Rewind to a checkpoint's :meth:`state`."""
+
+    def close(self) -> None:
+        """Release what the trainer holds (under torchrun: the follower ranks)."""
+
+
+def packed(t: Trajectory, advantage: float) -> Work:
     """The episode as one sequence: token ids exactly as sampled, which of them the policy
     sampled, and the engine's logprobs for those (0 elsewhere)."""
     ids: list[int] = []
@@ -36,7 +64,7 @@ def packed(t: Trajectory) -> tuple[list[int], list[bool], list[float]]:
         ids += turn.input_ids + turn.completion_ids
         sampled += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
         logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
-    return ids, sampled, logprobs
+    return Work(ids, sampled, logprobs, advantage)
 
 
 def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
@@ -48,14 +76,6 @@ def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> 
     if staleness > max_staleness:
         return "stale"
     return None
-
-
-def masked_by_cause(causes: list[str | None]) -> dict[str, float]:
-    """``trained`` (samples that entered the loss) and ``masked`` with one
-    ``masked_<cause>`` count per cause, for a step's metrics row."""
-    out = {"trained": float(sum(c is None for c in causes)),
-           "masked": float(sum(c is not None for c in causes))}
-    return out | {f"masked_{c}": float(causes.count(c)) for c in MASK_CAUSES}
 
 
 @dataclass
@@ -136,37 +156,52 @@ class Trainer:
             raise ValueError(why)
         episode_success(t)
 
-    def step(self, groups: list[Group], version: int) -> dict[str, float]:
+    def step(self, groups: list[Group], version: int) -> StepStats:
         samples = self.samples(groups, version)
         # a zero advantage adds no policy gradient, so those episodes are left out, unless
         # the entropy bonus is on: it is a term of every trained token, not only of the
         # groups that disagreed, and what keeps a converged group exploring
         keep_flat = self.cfg.entropy_coef > 0
         used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
-        stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        update = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0)
         if used:
-            work = [(*packed(s.scored.trajectory), s.advantage) for s in used]
-            stats = self.optimize(self.world.broadcast(("step", work))[1])
-        return {**stats, **self._describe(samples)}
+            update = self.lead([packed(s.scored.trajectory, s.advantage) for s in used])
+        return self._describe(samples, update)
+
+    def lead(self, work: list[Work]) -> UpdateStats:
+        """Rank 0: order every rank to train on ``work`` and train this rank's share."""
+        order = self.world.broadcast(TrainOrder(work))
+        assert isinstance(order, TrainOrder)
+        return self.optimize(order.work)
 
     def follow(self) -> int:
         """A follower rank's loop: train on rank 0's broadcast steps until it says stop;
         returns the number of steps taken."""
         steps = 0
-        while True:
-            message = self.world.broadcast()
-            if message[0] == "stop":
-                return steps
-            self.optimize(message[1])
+        while isinstance(order := self._receive(), TrainOrder):
+            self.optimize(order.work)
             steps += 1
+        return steps
+
+    def _receive(self) -> RankMessage:
+        message = self.world.broadcast()
+        if not isinstance(message, TrainOrder | Release):
+            raise TypeError(f"rank {self.world.rank} got {type(message).__name__} from rank 0, "
+                            "not a TrainOrder or Release (ranks running different code?)")
+        return message
 
     def close(self) -> None:
         """Rank 0: release the followers; then leave the process group."""
         if self.world.main and self.world.size > 1:
-            self.world.broadcast(("stop",))
+            self.world.broadcast(Release())
         self.world.close()
 
-    def optimize(self, work: list[Work]) -> dict[str, float]:
+    def save_weights(self, version: int) -> tuple[str, str]:
+        folder, digest = save_weights(self.model, self.cfg.weights_dir, version,
+                                      self.cfg.keep_weights)
+        return str(folder.resolve()), digest
+
+    def optimize(self, work: list[Work]) -> UpdateStats:
         """``updates_per_step`` optimizer steps on the batch `work` (every rank passes the
         same one and trains its share); the figures are the first update's, whose ratios
         compare the policy that sampled with the one that trains."""
@@ -175,13 +210,13 @@ class Trainer:
             self.update(work)
         return stats
 
-    def update(self, work: list[Work]) -> dict[str, float]:
+    def update(self, work: list[Work]) -> UpdateStats:
         """One optimizer step on the whole batch `work`, by micro-batches with gradient
         accumulation."""
         self._replicate()
-        lengths = [len(w[0]) for w in work]
+        lengths = [len(w.ids) for w in work]
         order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad
-        whole = Whole(tokens=float(sum(sum(w[1][1:]) for w in work)), sequences=len(work))
+        whole = Whole(tokens=float(sum(sum(w.sampled[1:]) for w in work)), sequences=len(work))
         mine = shard(order, self.world)
         weight = 1.0
         if not mine:  # more ranks than sequences: join the all-reduce with a zero gradient
@@ -204,16 +239,14 @@ class Trainer:
         self.optimizer.step()
         loss_sum, clip, ratio, kl, entropy = self.world.all_sum(totals).tolist()
         tokens = max(whole.tokens, 1.0)
-        stats = {"loss": loss_sum, "grad_norm": grad_norm.item(), "clip_frac": clip / tokens,
-                 "mean_ratio": ratio / tokens, "approx_kl": kl / tokens,
-                 "micro_batches": float(len(micro))}
-        if self.cfg.entropy_coef:
-            stats["entropy"] = entropy / tokens
-        return stats
+        return UpdateStats(loss=loss_sum, grad_norm=grad_norm.item(), clip_frac=clip / tokens,
+                           mean_ratio=ratio / tokens, approx_kl=kl / tokens,
+                           micro_batches=len(micro),
+                           entropy=entropy / tokens if self.cfg.entropy_coef else None)
 
     def _micro_step(self, items: list[Work], whole: Whole) -> tuple[Tensor, Tensor]:
-        batch = collate([w[0] for w in items], [w[1] for w in items], [w[2] for w in items],
-                        self.pad_id)
+        batch = collate([w.ids for w in items], [w.sampled for w in items],
+                        [w.logprobs for w in items], self.pad_id)
         mask = batch.loss_mask.to(self.device)  # (b, t-1)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
@@ -222,7 +255,7 @@ class Trainer:
         loss, stats = policy_loss(
             logprobs,  # (b, t-1)
             batch.behaviour_logprobs.to(self.device),
-            torch.tensor([w[3] for w in items], device=self.device),  # (b,)
+            torch.tensor([w.advantage for w in items], device=self.device),  # (b,)
             mask,
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
@@ -257,32 +290,31 @@ class Trainer:
         self.scorer = DistributedDataParallel(self.scorer, device_ids=ids)
         self._replicated = True
 
-    def _describe(self, samples: list[Sample]) -> dict[str, float]:
+    def _describe(self, samples: list[Sample], update: UpdateStats) -> StepStats:
         valid = [s for s in samples if s.used]
         success = [episode_success(s.scored.trajectory) for s in valid]
-        return {
-            "episodes": len(samples),
-            **masked_by_cause([s.cause for s in samples]),
-            # trained, but with nothing to learn: every member of its group scored the same
-            "zero_advantage": float(sum(s.used and s.advantage == 0.0 for s in samples)),
-            "reward_mean": _mean([s.scored.reward for s in valid]),
-            "success_rate": _mean([float(x) for x in success]),
-            "staleness_mean": _mean([float(s.staleness) for s in valid]),
-            "staleness_max": float(max((s.staleness for s in valid), default=0)),
-            "turns_mean": _mean([float(len(s.scored.trajectory.turns)) for s in valid]),
-            "tokens": float(sum(s.scored.trajectory.num_tokens for s in samples)),
-        }
+        return StepStats(
+            episodes=len(samples),
+            masks=MaskCounts.of([s.cause for s in samples]),
+            zero_advantage=sum(s.used and s.advantage == 0.0 for s in samples),
+            reward_mean=_mean([s.scored.reward for s in valid]),
+            success_rate=_mean([float(x) for x in success]),
+            staleness_mean=_mean([float(s.staleness) for s in valid]),
+            staleness_max=float(max((s.staleness for s in valid), default=0)),
+            turns_mean=_mean([float(len(s.scored.trajectory.turns)) for s in valid]),
+            tokens=sum(s.scored.trajectory.num_tokens for s in samples),
+            update=update,
+        )
 
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def state(self) -> PolicyState:
+        return PolicyState(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
 
-    def restore(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-
-Work = tuple[list[int], list[bool], list[float], float]
-"""One sequence to train on: packed ids, sampled flags, behaviour logprobs, advantage."""
+    def restore(self, state: PolicyState | None) -> None:
+        if state is None:
+            raise ValueError("the checkpoint holds no model (written by a synthetic learner?); "
+                             "point RLBUS_CHECKPOINT_DIR elsewhere or remove it")
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
 
 
 class _Scorer(nn.Module):
@@ -340,9 +372,7 @@ class SyntheticTrainer:
     def admit(self, t: Trajectory) -> None:
         """No model, no metric: every episode can take part."""
 
-    def step(self, groups: list[Group], version: int) -> dict[str, float]:
-        import time
-
+    def step(self, groups: list[Group], version: int) -> StepStats:
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
         samples = [m for g in groups for m in g.ordered()]
         ages = [version - m.trajectory.min_version for m in samples]
@@ -351,22 +381,27 @@ class SyntheticTrainer:
                   for m, a in zip(samples, ages, strict=True)]
         valid = [m for m, c in zip(samples, causes, strict=True) if c is None]
         stale = [float(a) for a, c in zip(ages, causes, strict=True) if c is None]
-        return {
-            "loss": 0.0,
-            "episodes": float(len(samples)),
-            **masked_by_cause(causes),
-            "reward_mean": _mean([m.reward for m in valid]),
-            "success_rate": math.nan,
-            "staleness_mean": _mean(stale),
-            "staleness_max": max(stale, default=0.0),
-            "turns_mean": _mean([float(len(m.trajectory.turns)) for m in samples]),
-            "tokens": float(sum(m.trajectory.num_tokens for m in samples)),
-        }
+        return StepStats(
+            episodes=len(samples),
+            masks=MaskCounts.of(causes),
+            reward_mean=_mean([m.reward for m in valid]),
+            success_rate=math.nan,
+            staleness_mean=_mean(stale),
+            staleness_max=max(stale, default=0.0),
+            turns_mean=_mean([float(len(m.trajectory.turns)) for m in samples]),
+            tokens=sum(m.trajectory.num_tokens for m in samples),
+        )
 
-    def state(self) -> dict[str, Any]:
-        return {}
+    def save_weights(self, version: int) -> tuple[str, str]:
+        return "synthetic://", ""
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def state(self) -> None:
+        return None
+
+    def restore(self, state: PolicyState | None) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
 

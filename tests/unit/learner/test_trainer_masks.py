@@ -1,6 +1,7 @@
 """Masked episodes are counted by cause; only the rest count as trained."""
 
-from rlbus.learner.trainer import mask_cause, masked_by_cause
+from rlbus.learner.stats import MaskCounts
+from rlbus.learner.trainer import mask_cause
 
 
 class _T:
@@ -22,5 +23,7 @@ def test_each_cause_is_told_apart_and_counted() -> None:
         mask_cause(_S(turns=0), 5, 2),  # type: ignore[arg-type]
     ]
     assert causes == [None, "stale", "failed", "invalid", "invalid"]
-    assert masked_by_cause(causes) == {"trained": 1.0, "masked": 4.0, "masked_stale": 1.0,
-                                       "masked_failed": 1.0, "masked_invalid": 2.0}
+    counts = MaskCounts.of(causes)
+    assert counts.trained == 1 and counts.masked == 4
+    assert counts.row() == {"trained": 1, "masked": 4, "masked_stale": 1, "masked_failed": 1,
+                            "masked_invalid": 2}

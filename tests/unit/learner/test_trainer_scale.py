@@ -4,6 +4,7 @@ gradient accumulation, chunked scoring, gradient checkpointing, bf16 autocast, t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ def work(n: int = 7, seed: int = 0, vocab: int = 40) -> list[Work]:
         ids = [rng.randrange(3, vocab) for _ in range(length)]
         sampled = [i >= 3 and rng.random() < 0.6 for i in range(length)]
         logprobs = [-rng.uniform(0.5, 4.0) if s else 0.0 for s in sampled]
-        out.append((ids, sampled, logprobs, rng.choice([-1.5, -0.5, 0.7, 1.2])))
+        out.append(Work(ids, sampled, logprobs, rng.choice([-1.5, -0.5, 0.7, 1.2])))
     return out
 
 
@@ -52,8 +53,8 @@ def assert_same_step(a: Trainer, b: Trainer, batch: list[Work], atol: float = 1e
     (to a tenth of the step size: Adam's first steps divide by |g|, so a gradient of 1e-9
     against 1e-10 on a row the batch barely touches moves it by lr either way)."""
     sa, sb = a.optimize(batch), b.optimize(batch)
-    assert sa["loss"] == pytest.approx(sb["loss"], abs=atol, rel=1e-5)
-    assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=1e-5)
+    assert sa.loss == pytest.approx(sb.loss, abs=atol, rel=1e-5)
+    assert sa.grad_norm == pytest.approx(sb.grad_norm, rel=1e-5)
     ga, gb = grads(a), grads(b)
     assert ga.keys() == gb.keys() and ga
     for name in ga:
@@ -70,7 +71,7 @@ def test_micro_batches_give_the_one_batch_update(folder: Path, norm: str) -> Non
     batch = work()
     for _ in range(2):  # the second step from the updated weights and Adam state
         assert_same_step(whole, micro, batch)
-    assert micro.optimize(batch)["micro_batches"] > 3
+    assert (micro.optimize(batch).micro_batches or 0) > 3
 
 
 def test_the_entropy_bonus_accumulates_like_the_loss(folder: Path) -> None:
@@ -79,20 +80,21 @@ def test_the_entropy_bonus_accumulates_like_the_loss(folder: Path) -> None:
     assert_same_step(whole, micro, work(seed=1))
     fresh = trainer(folder, entropy_coef=0.05)
     stats = fresh.optimize(work(seed=1))
-    assert 0.0 < stats["entropy"] <= torch.log(torch.tensor(fresh.model.config.vocab_size)).item()
-    assert "entropy" not in trainer(folder).optimize(work(seed=1))  # not computed when unused
+    assert stats.entropy is not None
+    assert 0.0 < stats.entropy <= torch.log(torch.tensor(fresh.model.config.vocab_size)).item()
+    assert trainer(folder).optimize(work(seed=1)).entropy is None  # not computed when unused
 
 
 def test_dr_grpo_divides_by_its_constant_not_the_batch_width(folder: Path) -> None:
     short, wide = work(n=2, seed=2)[:1], work(n=2, seed=2)
-    wide = [short[0], (wide[1][0] + [5] * 40, wide[1][1] + [False] * 40, wide[1][2] + [0.0] * 40,
-                       wide[1][3])]
+    wide = [short[0], Work(wide[1].ids + [5] * 40, wide[1].sampled + [False] * 40,
+                           wide[1].logprobs + [0.0] * 40, wide[1].advantage)]
     # the same sequences at width ~20 or ~60: the first one's share of the loss is the same
-    one = trainer(folder, loss_norm="dr_grpo", dr_grpo_max_tokens=64).optimize(short)["loss"]
+    one = trainer(folder, loss_norm="dr_grpo", dr_grpo_max_tokens=64).optimize(short).loss
     both = trainer(folder, loss_norm="dr_grpo", dr_grpo_max_tokens=64)
-    other = trainer(folder, loss_norm="dr_grpo", dr_grpo_max_tokens=64).optimize(wide[1:])["loss"]
+    other = trainer(folder, loss_norm="dr_grpo", dr_grpo_max_tokens=64).optimize(wide[1:]).loss
     # sum / (B * 64): with B = 2 each sequence's sum is halved
-    assert both.optimize(wide)["loss"] == pytest.approx((one + other) / 2, rel=1e-5)
+    assert both.optimize(wide).loss == pytest.approx((one + other) / 2, rel=1e-5)
 
 
 def test_micro_batches_respect_the_budget() -> None:
@@ -142,7 +144,7 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_close_gradients(folder: Pat
                if t.dim() > 0]  # exp_avg and exp_avg_sq of every parameter
     assert len(moments) == 2 * len(list(bf16.model.parameters()))
     assert all(t.dtype == torch.float32 for t in moments)
-    assert b["loss"] == pytest.approx(a["loss"], abs=0.05)
+    assert b.loss == pytest.approx(a.loss, abs=0.05)
     ga, gb = grads(fp32), grads(bf16)
     cos = torch.nn.functional.cosine_similarity(
         torch.cat([g.flatten() for g in ga.values()]),
@@ -201,21 +203,22 @@ def test_updates_per_step_reuses_the_batch_and_reports_the_first_pass(folder: Pa
     """updates_per_step=3 is three optimizer steps on one batch; its figures are the first
     pass's (on-policy data: ratio 1), while a later pass sees the ratio moved and clipped."""
     batch = work(seed=5)
-    on_policy = [(ids, s, [0.0] * len(ids), adv) for ids, s, _, adv in batch]
+    on_policy: list[Work] = []
     plain = trainer(folder)
     with torch.no_grad():  # the behaviour logprobs: the initial policy's own
-        for k, (ids, s, _, adv) in enumerate(on_policy):
-            t = torch.tensor([ids])
-            lp, _ = plain.scorer(t, torch.ones_like(t), torch.ones(1, len(ids) - 1))
-            on_policy[k] = (ids, s, [0.0] + [float(x) if f else 0.0 for x, f in
-                                             zip(lp[0].tolist(), s[1:], strict=True)], adv)
+        for w in batch:
+            t = torch.tensor([w.ids])
+            lp, _ = plain.scorer(t, torch.ones_like(t), torch.ones(1, len(w.ids) - 1))
+            logprobs = [0.0] + [float(x) if f else 0.0
+                                for x, f in zip(lp[0].tolist(), w.sampled[1:], strict=True)]
+            on_policy.append(dataclasses.replace(w, logprobs=logprobs))
     many = trainer(folder, updates_per_step=3, lr=1e-2)
     once = trainer(folder, lr=1e-2)
     first = many.optimize(on_policy)
     passes = [once.optimize(on_policy) for _ in range(3)]
-    assert first == pytest.approx(passes[0], rel=1e-6)
-    assert first["mean_ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert first["clip_frac"] == 0.0 and passes[2]["clip_frac"] > 0.0
+    assert first.row() == pytest.approx(passes[0].row(), rel=1e-6)
+    assert first.mean_ratio == pytest.approx(1.0, abs=1e-5)
+    assert first.clip_frac == 0.0 and passes[2].clip_frac > 0.0
     for (name, pa), pb in zip(many.model.named_parameters(), once.model.parameters(),
                               strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)

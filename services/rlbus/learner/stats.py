@@ -1,0 +1,93 @@
+"""What a training step reports: typed figures, flattened into the metrics row only at the
+edge (:meth:`StepStats.row`), under the names the metrics file has always used."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlbus.messages import MASK_CAUSES
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """The figures of one optimizer update, summed over the ranks; ratios are token means.
+
+    A step with nothing to train on reports zero loss, clip fraction and KL and leaves the
+    others unmeasured (None: absent from the metrics row)."""
+
+    loss: float
+    clip_frac: float
+    approx_kl: float
+    grad_norm: float | None = None
+    mean_ratio: float | None = None
+    micro_batches: int | None = None
+    entropy: float | None = None
+    """Mean entropy of the sampled tokens; only when the loss has an entropy bonus."""
+
+    def row(self) -> dict[str, float]:
+        """The measured figures by their metrics names, in the metrics file's order."""
+        figures = {"loss": self.loss, "grad_norm": self.grad_norm, "clip_frac": self.clip_frac,
+                   "mean_ratio": self.mean_ratio, "approx_kl": self.approx_kl,
+                   "micro_batches": self.micro_batches, "entropy": self.entropy}
+        return {k: v for k, v in figures.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class MaskCounts:
+    """How many episodes of a step entered the loss, and why the others did not."""
+
+    trained: int
+    by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MASK_CAUSES, 0))
+    """Masked episodes per cause, every one of :data:`~rlbus.messages.MASK_CAUSES`."""
+
+    @classmethod
+    def of(cls, causes: list[str | None]) -> MaskCounts:
+        """Counts of a step's episodes, each given by its mask cause (None: it trains)."""
+        return cls(trained=causes.count(None),
+                   by_cause={c: causes.count(c) for c in MASK_CAUSES})
+
+    @property
+    def masked(self) -> int:
+        return sum(self.by_cause.values())
+
+    def row(self) -> dict[str, float]:
+        """``trained``, ``masked`` and one ``masked_<cause>`` per cause."""
+        return {"trained": self.trained, "masked": self.masked,
+                **{f"masked_{c}": n for c, n in self.by_cause.items()}}
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One training step's figures: its batch, and the update it made (None: a trainer
+    with no model, which reports a zero loss)."""
+
+    episodes: int
+    masks: MaskCounts
+    reward_mean: float
+    """Means are NaN where there is nothing to average."""
+    success_rate: float
+    staleness_mean: float
+    staleness_max: float
+    turns_mean: float
+    tokens: int
+    zero_advantage: int | None = None
+    """Episodes that trained with nothing to learn (their whole group scored the same);
+    None from a trainer that computes no advantages."""
+    update: UpdateStats | None = None
+
+    @property
+    def loss(self) -> float:
+        return self.update.loss if self.update is not None else 0.0
+
+    def row(self) -> dict[str, float | None]:
+        """The metrics row's training figures (NaN written as null), named as ever."""
+        update = self.update.row() if self.update is not None else {"loss": 0.0}
+        advantage = {} if self.zero_advantage is None else {"zero_advantage": self.zero_advantage}
+        figures: dict[str, float] = {
+            **update, "episodes": self.episodes, **self.masks.row(), **advantage,
+            "reward_mean": self.reward_mean, "success_rate": self.success_rate,
+            "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
+            "turns_mean": self.turns_mean, "tokens": self.tokens,
+        }
+        return {k: None if math.isnan(v) else v for k, v in figures.items()}

@@ -1,0 +1,41 @@
+"""A step's typed figures flatten into the metrics row under the names it always had."""
+
+from __future__ import annotations
+
+import math
+
+from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
+
+MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0})
+
+
+def step(zero_advantage: int | None = None, update: UpdateStats | None = None) -> StepStats:
+    return StepStats(episodes=4, masks=MASKS, reward_mean=0.5, success_rate=math.nan,
+                     staleness_mean=1.0, staleness_max=2.0, turns_mean=3.0, tokens=40,
+                     zero_advantage=zero_advantage, update=update)
+
+
+def test_a_grpo_step_row_names_every_figure_and_writes_nan_as_null() -> None:
+    update = UpdateStats(loss=0.25, clip_frac=0.1, approx_kl=0.01, grad_norm=1.5,
+                         mean_ratio=1.0, micro_batches=2)
+    row = step(zero_advantage=1, update=update).row()
+    assert list(row) == ["loss", "grad_norm", "clip_frac", "mean_ratio", "approx_kl",
+                         "micro_batches", "episodes", "trained", "masked", "masked_stale",
+                         "masked_failed", "masked_invalid", "zero_advantage", "reward_mean",
+                         "success_rate", "staleness_mean", "staleness_max", "turns_mean",
+                         "tokens"]
+    assert row["success_rate"] is None and row["masked"] == 1 and row["loss"] == 0.25
+
+
+def test_a_step_with_nothing_to_train_reports_zero_loss_clip_and_kl_only() -> None:
+    idle = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0)
+    assert idle.row() == {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+    with_entropy = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0, entropy=2.0)
+    assert with_entropy.row()["entropy"] == 2.0
+
+
+def test_a_synthetic_step_row_has_a_zero_loss_and_no_advantage_figures() -> None:
+    stats = step()
+    row = stats.row()
+    assert stats.loss == 0.0 and row["loss"] == 0.0
+    assert "zero_advantage" not in row and "clip_frac" not in row
