@@ -14,6 +14,7 @@ from typing import Any
 
 from rlbus.api import Task
 from rlbus.learner.settings import LearnerSettings
+from rlbus.learner.stats import EvalStats
 from rlbus.messages import Prompt, Sampling, ScoredTrajectory
 from rlbus.transport import Producer
 
@@ -77,7 +78,7 @@ class Feeder:
             await self.producer.send(self.topic, prompt, key=prompt.group_id)
         return True
 
-    def take_eval(self, scored: ScoredTrajectory) -> dict[str, float] | None:
+    def take_eval(self, scored: ScoredTrajectory) -> EvalStats | None:
         """Collect one evaluation episode; the round's figures once all of it is back."""
         round_ = scored.trajectory.eval_round
         if round_ is None:
@@ -93,10 +94,8 @@ class Feeder:
         if len(results) < self.settings.eval_episodes:
             return None
         del self._evals[round_]
-        figures = {
-            "eval_at_step": round_,
-            "eval_success": sum(won for won, _ in results) / len(results),
-            "eval_reward": sum(reward for _, reward in results) / len(results),
-        }
-        log.info("eval at step %d: success %.3f", round_, figures["eval_success"])
+        figures = EvalStats(at_step=round_,
+                            success=sum(won for won, _ in results) / len(results),
+                            reward=sum(reward for _, reward in results) / len(results))
+        log.info("eval at step %d: success %.3f", round_, figures.success)
         return figures

@@ -33,7 +33,7 @@ from rlbus import plugins, telemetry
 from rlbus.learner.feeder import Feeder
 from rlbus.learner.groups import GroupAssembler
 from rlbus.learner.settings import LearnerSettings
-from rlbus.learner.stats import StepStats
+from rlbus.learner.stats import EvalStats, StepStats
 from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
 from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer
 from rlbus.limits import check_identity, check_scored
@@ -61,7 +61,7 @@ class Learner(Service[LearnerSettings]):
         self._episodes_trained = 0
         self._masked = dict.fromkeys(MASK_CAUSES, 0)  # episodes masked so far, by cause
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
-        self._last_eval: dict[str, float] = {}
+        self._last_eval: EvalStats | None = None
         self.feeder: Feeder | None = None
         self._held_since: float | None = None  # when the pending step began to wait
         # built in setup; None until then, so that close releases it after a setup that failed
@@ -141,7 +141,7 @@ class Learner(Service[LearnerSettings]):
             return
         await self.feeder.publish_eval(self.step, self.version, force=True)  # unless sent
         deadline = time.monotonic() + timeout_s
-        while self._last_eval.get("eval_at_step") != self.step:
+        while self._last_eval is None or self._last_eval.at_step != self.step:
             if time.monotonic() > deadline:
                 log.warning("final evaluation incomplete after %.0fs", timeout_s)
                 return
@@ -159,7 +159,7 @@ class Learner(Service[LearnerSettings]):
                 "step": self.step,
                 "time": round(time.monotonic() - self._t0, 3),
                 "episodes_trained": self._episodes_trained,
-                **figures,
+                **figures.row(),
             }
             _append_json(self.settings.metrics_file, row)
 

@@ -10,6 +10,23 @@ from rlbus.messages import MASK_CAUSES
 
 
 @dataclass(frozen=True)
+class EvalStats:
+    """One evaluation round's figures: greedy episodes on the held-out specs."""
+
+    at_step: int
+    """The step whose weights the round evaluated."""
+    success: float
+    """Fraction of the round's episodes that met the task's success metric."""
+    reward: float
+    """Mean reward of the round's episodes."""
+
+    def row(self) -> dict[str, float]:
+        """The figures by their metrics names."""
+        return {"eval_at_step": self.at_step, "eval_success": self.success,
+                "eval_reward": self.reward}
+
+
+@dataclass(frozen=True)
 class UpdateStats:
     """The figures of one optimizer update, summed over the ranks; ratios are token means.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
+from rlbus.learner.stats import EvalStats, MaskCounts, StepStats, UpdateStats
 
 MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0})
 
@@ -39,3 +39,8 @@ def test_a_synthetic_step_row_has_a_zero_loss_and_no_advantage_figures() -> None
     row = stats.row()
     assert stats.loss == 0.0 and row["loss"] == 0.0
     assert "zero_advantage" not in row and "clip_frac" not in row
+
+
+def test_an_evaluation_round_keeps_its_metrics_names() -> None:
+    row = EvalStats(at_step=4, success=0.5, reward=0.75).row()
+    assert row == {"eval_at_step": 4, "eval_success": 0.5, "eval_reward": 0.75}
