@@ -1,6 +1,6 @@
 """Settings shared by every service.
 
-Each service has one settings class (``services/<x>/settings.py``) that subclasses
+Each service has one settings class (``services/rlbus/<tier>/settings.py``) that subclasses
 :class:`ServiceSettings`. Values come from keyword arguments, then ``RLBUS_*`` environment
 variables (nested with ``__``, e.g. ``RLBUS_KAFKA__BOOTSTRAP``), then the defaults here.
 A variable that no rlbus service reads is an error, so a typo in an environment block fails
