@@ -272,13 +272,15 @@ def settings_env(settings: BaseModel | None = None, /, **fields: object) -> dict
     TopicSettings, Limits, ...) becomes its non-default fields, any other value one variable.
     Values are written as pydantic-settings reads them back (lists and dicts as JSON, bools
     as true/false, secrets in clear). A name no rlbus settings class has is an
-    :class:`UnknownSettingError` here, not in a child's log.
+    :class:`UnknownSettingError` here, not in a child's log; a section must be an instance of
+    its field's class (its defaults are the ones left out).
     """
     env = _model_env(settings, "RLBUS_", None) if settings is not None else {}
     named: dict[str, str] = {}
     for name, value in fields.items():
         named |= _value_env("RLBUS_" + name.upper(), value)
-    _check_known(list(named))
+    if fields:
+        _check_named(fields, named, settings_classes())
     return env | named
 
 
@@ -319,13 +321,20 @@ def _render(value: object) -> str:
     return str(value)
 
 
-def _check_known(keys: list[str]) -> None:
-    if not keys:
-        return
-    classes = settings_classes()
-    strangers = [k for k in keys if not readers_of(k, classes)]
+def _check_named(fields: Mapping[str, object], env: Mapping[str, str],
+                 classes: list[type[BaseModel]]) -> None:
+    """Every variable names a setting, and every section is of its field's class: a look-alike
+    (another model with the same field names) has other defaults, which would be left out."""
+    strangers = [k for k in env if not readers_of(k, classes)]
     if strangers:
         raise UnknownSettingError(
             "no rlbus service has a setting for "
             + ", ".join(k + suggestion(k, classes) for k in strangers)
         )
+    for name, value in fields.items():
+        kinds = [f.annotation for c in classes if (f := c.model_fields.get(name)) is not None]
+        if isinstance(value, BaseModel) and not any(
+            isinstance(k, type) and isinstance(value, k) for k in kinds
+        ):
+            raise TypeError(f"{name}: a {type(value).__name__} is not the {name} section of "
+                            "any settings class")

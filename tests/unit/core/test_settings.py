@@ -222,3 +222,13 @@ def test_none_over_a_default_that_is_not_none_fails_loudly():
     """pydantic-settings reads no string as None, so the child would not get it."""
     with pytest.raises(ValueError, match="RLBUS_TORCH_THREADS: None cannot be set"):
         settings.settings_env(InferenceSettings(torch_threads=None))
+
+
+def test_a_section_of_another_class_is_refused():
+    """A look-alike with other defaults: its fields at their defaults would be lost."""
+
+    class LoadTestEngine(BaseModel):
+        base_ms: float = 2.0  # the tier's is 5.0
+
+    with pytest.raises(TypeError, match="synthetic: a LoadTestEngine is not the synthetic"):
+        settings.settings_env(synthetic=LoadTestEngine())
