@@ -20,7 +20,8 @@ from loadtest.metrics import ArmResult
 from loadtest.scenario import Scenario
 from rlbus.agent import MultiTurnAgent
 from rlbus.api import Episode, Generation, TaskSpec
-from rlbus.inference.engines import Completion, Engine, SyntheticEngine
+from rlbus.inference.engine import Completion, Engine
+from rlbus.inference.engines import SyntheticEngine
 from rlbus.inference.settings import InferenceSettings, SyntheticEngineSettings
 from rlbus.messages import Sampling
 from rlbus.rollout.service import SyntheticTokenizer

@@ -44,7 +44,7 @@ from rlbus.messages import DeadLetter, Prompt, Trajectory
 from rlbus.ops.broker import LocalCluster
 from rlbus.ops.launcher import ServiceProcesses
 from rlbus.processes import child_env, tail
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, ensure_topics
 
@@ -60,30 +60,21 @@ def say(text: str) -> None:
 T0 = time.monotonic()
 
 
-def envs(bootstrap: str, prefix: str, run: Path, steps: int) -> dict[str, dict[str, str]]:
-    base = child_env({
-        "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
-        "RLBUS_KAFKA__REQUEST_TIMEOUT_S": "60",
-        "RLBUS_TOPICS__PREFIX": prefix,
-        "RLBUS_TOPICS__PARTITIONS": "4",
-        "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
-        "RLBUS_DRAIN_TIMEOUT_S": "10",
-        "PYTHONUNBUFFERED": "1",
-    })
+def envs(kafka: KafkaSettings, topics: TopicSettings, run: Path,
+         steps: int) -> dict[str, dict[str, str]]:
+    base = child_env({**settings_env(kafka=kafka, topics=topics, drain_timeout_s=10),
+                      "PYTHONUNBUFFERED": "1"})
     return {
-        "inference": {**base, "RLBUS_ENGINE": "synthetic"},
+        "inference": {**base, **settings_env(engine="synthetic")},
         "reward": base,
-        "rollout": {**base, "RLBUS_TOKENIZER": "synthetic", "RLBUS_STEP_TIMEOUT_S": "3",
-                    "RLBUS_STEP_RETRIES": "60"},
-        "learner": {
-            **base, "RLBUS_FEED": "false", "RLBUS_TRAINER": "synthetic",
-            "RLBUS_SYNTHETIC_STEP_S": "0.2", "RLBUS_MAX_STEPS": str(steps),
-            "RLBUS_GROUPS_PER_STEP": str(GROUPS_PER_STEP), "RLBUS_GROUP_SIZE": str(GROUP_SIZE),
-            "RLBUS_CHECKPOINT_EVERY": "3", "RLBUS_LEDGER_STEPS": str(steps),
-            "RLBUS_CHECKPOINT_DIR": str(run / "checkpoint"),
-            "RLBUS_WEIGHTS_DIR": str(run / "weights"),
-            "RLBUS_METRICS_FILE": str(run / "metrics.jsonl"),
-        },
+        "rollout": {**base, **settings_env(tokenizer="synthetic", step_timeout_s=3,
+                                           step_retries=60)},
+        "learner": {**base, **settings_env(
+            feed=False, trainer="synthetic", synthetic_step_s=0.2, max_steps=steps,
+            groups_per_step=GROUPS_PER_STEP, group_size=GROUP_SIZE, checkpoint_every=3,
+            ledger_steps=steps, checkpoint_dir=run / "checkpoint", weights_dir=run / "weights",
+            metrics_file=run / "metrics.jsonl",
+        )},
     }
 
 
@@ -109,9 +100,10 @@ class Soak:
     # -- the run
 
     async def run(self) -> dict[str, Any]:
-        kafka = KafkaSettings(bootstrap=self.cluster.bootstrap)
-        await ensure_topics(kafka, self.topics.settings)
-        env = envs(self.cluster.bootstrap, self.prefix, self.out, self.steps)
+        await ensure_topics(KafkaSettings(bootstrap=self.cluster.bootstrap), self.topics.settings)
+        # The services' calls outlive a broker's kill and restart (the producer's below too).
+        kafka = KafkaSettings(bootstrap=self.cluster.bootstrap, request_timeout_s=60)
+        env = envs(kafka, self.topics.settings, self.out, self.steps)
         self.env = env
         for name in ("inference", "reward", "rollout", "learner"):
             self.procs.spawn(name, 0, env[name])

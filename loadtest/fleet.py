@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import math
 import os
 import pstats
@@ -24,9 +23,10 @@ from types import TracebackType
 
 from loadtest.metrics import ArmResult, masked, read_rows
 from loadtest.scenario import Scenario
+from rlbus.inference.settings import SyntheticEngineSettings
 from rlbus.ops.launcher import Proc, ServiceProcesses
 from rlbus.processes import child_env
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import ensure_topics
 
 READY_MARKER = {"rollout": "reads replies on partition"}
@@ -60,11 +60,14 @@ class Fleet:
     def procs(self) -> list[Proc]:
         return self.processes.procs
 
+    @property
+    def topics(self) -> TopicSettings:
+        return TopicSettings(prefix=self.prefix, partitions=self.partitions,
+                             result_partitions=self.result_partitions)
+
     def __enter__(self) -> Fleet:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        topics = TopicSettings(prefix=self.prefix, partitions=self.partitions,
-                               result_partitions=self.result_partitions)
-        asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap), topics))
+        asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self.topics))
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
@@ -72,17 +75,11 @@ class Fleet:
         self.stop()
 
     def common_env(self, service: str, instance: int) -> dict[str, str]:
-        """The variables every service accepts (settings reject unknown RLBUS_* keys)."""
-        return child_env({
-            "PYTHONUNBUFFERED": "1",
-            "RLBUS_KAFKA__BOOTSTRAP": self.bootstrap,
-            "RLBUS_TOPICS__PREFIX": self.prefix,
-            "RLBUS_TOPICS__PARTITIONS": str(self.partitions),
-            "RLBUS_TOPICS__RESULT_PARTITIONS": str(self.result_partitions),
-            "RLBUS_INSTANCE": str(instance),
-            "RLBUS_GROUP": f"{self.prefix}-{service}",
-            "RLBUS_DRAIN_TIMEOUT_S": "10",
-        }, drop=("RLBUS_", "OTEL_"))  # no tracing: measure the path only
+        """The settings every service has; the per-tier ones come from ``<tier>_env``."""
+        return child_env({"PYTHONUNBUFFERED": "1", **settings_env(
+            kafka=KafkaSettings(bootstrap=self.bootstrap), topics=self.topics,
+            instance=instance, group=f"{self.prefix}-{service}", drain_timeout_s=10,
+        )}, drop=("RLBUS_", "OTEL_"))  # no tracing: measure the path only
 
     def spawn(self, service: str, instance: int, env: dict[str, str]) -> Proc:
         return self.processes.spawn(service, instance,
@@ -161,15 +158,10 @@ def _read(path: Path) -> str:
 
 
 def inference_env(s: Scenario) -> dict[str, str]:
-    e = s.engine
-    return {
-        "RLBUS_ENGINE": "synthetic",
-        "RLBUS_SYNTHETIC__BASE_MS": str(e.base_ms),
-        "RLBUS_SYNTHETIC__PER_TOKEN_MS": str(e.per_token_ms),
-        "RLBUS_SYNTHETIC__COMPLETION_TOKENS": str(e.completion_tokens),
-        "RLBUS_MAX_BATCH_SIZE": str(s.inference.max_batch_size),
-        "RLBUS_BATCH_WAIT_MS": str(s.inference.batch_wait_ms),
-    }
+    return settings_env(
+        engine="synthetic", synthetic=SyntheticEngineSettings(**s.engine.model_dump()),
+        max_batch_size=s.inference.max_batch_size, batch_wait_ms=s.inference.batch_wait_ms,
+    )
 
 
 def rollout_env(s: Scenario) -> dict[str, str]:
@@ -177,33 +169,33 @@ def rollout_env(s: Scenario) -> dict[str, str]:
     # Stragglers keep their group in flight long after its other episodes freed their slots.
     groups = s.rollout.max_groups_in_flight or max(
         16, 4 * math.ceil(s.rollout.max_concurrent_episodes / s.group_size))
-    return {
-        "RLBUS_TOKENIZER": "synthetic",
-        "RLBUS_MAX_CONCURRENT_EPISODES": str(s.rollout.max_concurrent_episodes),
-        "RLBUS_MAX_GROUPS_IN_FLIGHT": str(groups),
-        "RLBUS_ENV_TIMEOUT_S": str(max(30.0, 2 * env_cap_s)),
-        "RLBUS_MAX_CONTEXT_TOKENS": str(s.rollout.max_context_tokens),
-    }
+    return settings_env(
+        tokenizer="synthetic",
+        max_concurrent_episodes=s.rollout.max_concurrent_episodes,
+        max_groups_in_flight=groups,
+        env_timeout_s=max(30.0, 2 * env_cap_s),
+        max_context_tokens=s.rollout.max_context_tokens,
+    )
 
 
 def learner_env(s: Scenario, run_dir: Path) -> dict[str, str]:
-    return {
-        "RLBUS_TRAINER": "synthetic",
-        "RLBUS_SYNTHETIC_STEP_S": str(s.learner_step_s),
-        "RLBUS_TASK": "synthetic",
-        "RLBUS_TASK_SPEC": json.dumps(s.env),
-        "RLBUS_GROUP_SIZE": str(s.group_size),
-        "RLBUS_GROUPS_PER_STEP": str(s.groups_per_step),
-        "RLBUS_MAX_STEPS": str(s.steps),
-        "RLBUS_MAX_STALENESS": str(s.max_staleness),
-        "RLBUS_STRAGGLER_WAIT_S": str(s.straggler_wait_s),
-        "RLBUS_MAX_NEW_TOKENS": str(s.max_new_tokens),
-        "RLBUS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
-        "RLBUS_WEIGHTS_DIR": str(run_dir / "weights"),
-        "RLBUS_CHECKPOINT_DIR": str(run_dir / "checkpoint"),
-        "RLBUS_CHECKPOINT_EVERY": str(s.steps),
-        "RLBUS_RUN_NAME": run_dir.name,
-    }
+    return settings_env(
+        trainer="synthetic",
+        synthetic_step_s=s.learner_step_s,
+        task="synthetic",
+        task_spec=s.env,
+        group_size=s.group_size,
+        groups_per_step=s.groups_per_step,
+        max_steps=s.steps,
+        max_staleness=s.max_staleness,
+        straggler_wait_s=s.straggler_wait_s,
+        max_new_tokens=s.max_new_tokens,
+        metrics_file=run_dir / "metrics.jsonl",
+        weights_dir=run_dir / "weights",
+        checkpoint_dir=run_dir / "checkpoint",
+        checkpoint_every=s.steps,
+        run_name=run_dir.name,
+    )
 
 
 def run_decoupled(s: Scenario, bootstrap: str, run_dir: Path, profile: bool = False,

@@ -27,7 +27,8 @@ def child_env(extra: dict[str, str] | None = None,
               drop: Iterable[str] = ("RLBUS_",)) -> dict[str, str]:
     """This process's environment without any variable starting with one of ``drop``
     (every RLBUS_* by default: settings refuse keys they do not know, and a child must see
-    only the ones it is meant to), then ``extra`` on top."""
+    only the ones it is meant to), then ``extra`` on top: the settings it is meant to have
+    come from :func:`rlbus.settings.settings_env`."""
     prefixes = tuple(drop)
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     return {**env, **(extra or {})}

@@ -1,6 +1,6 @@
 """Settings shared by every service.
 
-Each service has one settings class (``services/<x>/settings.py``) that subclasses
+Each service has one settings class (``services/rlbus/<tier>/settings.py``) that subclasses
 :class:`ServiceSettings`. Values come from keyword arguments, then ``RLBUS_*`` environment
 variables (nested with ``__``, e.g. ``RLBUS_KAFKA__BOOTSTRAP``), then the defaults here.
 A variable that no rlbus service reads is an error, so a typo in an environment block fails
@@ -11,6 +11,7 @@ and logged once as unused, so a single shell can configure every tier.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -257,3 +258,83 @@ class ServiceSettings(BaseSettings):
     def __init__(self, **values: Any) -> None:
         _report_unused(type(self), check_env(type(self)))
         super().__init__(**values)
+
+
+def settings_env(settings: BaseModel | None = None, /, **fields: object) -> dict[str, str]:
+    """The RLBUS_* variables that give a child process these settings, for
+    :func:`rlbus.processes.child_env`'s ``extra``.
+
+    ``settings``: a settings object (a tier's, or :class:`ServiceSettings`); each field that
+    differs from its default becomes a variable, sections field by field
+    (``RLBUS_KAFKA__BOOTSTRAP``). The rest is left out: the child, which inherits no RLBUS_*
+    variable (child_env drops them), takes the same defaults, so it builds an equal object.
+    ``fields``: top-level settings by name, on top of those: a section (KafkaSettings,
+    TopicSettings, Limits, ...) becomes its non-default fields, any other value one variable.
+    Values are written as pydantic-settings reads them back (lists and dicts as JSON, bools
+    as true/false, secrets in clear). A name no rlbus settings class has is an
+    :class:`UnknownSettingError` here, not in a child's log; a section must be an instance of
+    its field's class (its defaults are the ones left out).
+    """
+    env = _model_env(settings, "RLBUS_", None) if settings is not None else {}
+    named: dict[str, str] = {}
+    for name, value in fields.items():
+        named |= _value_env("RLBUS_" + name.upper(), value)
+    if fields:
+        _check_named(fields, named, settings_classes())
+    return env | named
+
+
+def _model_env(model: BaseModel, prefix: str, defaults: BaseModel | None) -> dict[str, str]:
+    """``model``'s fields that differ from ``defaults`` (a section's default instance) or,
+    without it, from the class's defaults."""
+    env: dict[str, str] = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        default = (getattr(defaults, name) if defaults is not None
+                   else field.get_default(call_default_factory=True))
+        key = prefix + name.upper()
+        if isinstance(value, BaseModel) and isinstance(default, type(value)):
+            env |= _model_env(value, key + "__", default)
+        elif value != default:
+            env |= _value_env(key, value)
+    return env
+
+
+def _value_env(key: str, value: object) -> dict[str, str]:
+    if isinstance(value, BaseModel):
+        return _model_env(value, key + "__", None)
+    if value is None:  # pydantic-settings reads no string as None (env_parse_none_str unset)
+        raise ValueError(f"{key}: None cannot be set through the environment; leave it out "
+                         "to get the default")
+    return {key: _render(value)}
+
+
+def _render(value: object) -> str:
+    """``value`` as pydantic-settings parses it back: complex fields (dict, list) from JSON,
+    the rest by pydantic's lax string coercion."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value)
+    return str(value)
+
+
+def _check_named(fields: Mapping[str, object], env: Mapping[str, str],
+                 classes: list[type[BaseModel]]) -> None:
+    """Every variable names a setting, and every section is of its field's class: a look-alike
+    (another model with the same field names) has other defaults, which would be left out."""
+    strangers = [k for k in env if not readers_of(k, classes)]
+    if strangers:
+        raise UnknownSettingError(
+            "no rlbus service has a setting for "
+            + ", ".join(k + suggestion(k, classes) for k in strangers)
+        )
+    for name, value in fields.items():
+        kinds = [f.annotation for c in classes if (f := c.model_fields.get(name)) is not None]
+        if isinstance(value, BaseModel) and not any(
+            isinstance(k, type) and isinstance(value, k) for k in kinds
+        ):
+            raise TypeError(f"{name}: a {type(value).__name__} is not the {name} section of "
+                            "any settings class")

@@ -21,7 +21,7 @@ from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import ScoredTrajectory
 from rlbus.ops.launcher import ServiceProcesses
 from rlbus.processes import child_env, tail
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import Topics, ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -73,33 +73,29 @@ def test_an_installed_plugin_trains_through_all_four_tiers(
         model = build_chat_model(tmp_path / "model")
     prefix = unique_name("plugin")
     topics = TopicSettings(prefix=prefix, partitions=2, result_partitions=2)
-    asyncio.run(ensure_topics(KafkaSettings(bootstrap=kafka_bootstrap), topics))
-    base = child_env({
-        "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap,
-        "RLBUS_TOPICS__PREFIX": prefix,
-        "RLBUS_TOPICS__PARTITIONS": "2",
-        "RLBUS_TOPICS__RESULT_PARTITIONS": "2",
-        "RLBUS_INSTANCE": "0",
-        "RLBUS_MODEL_PATH": str(model),
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-    })
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap)
+    asyncio.run(ensure_topics(kafka, topics))
+    base = child_env({**settings_env(kafka=kafka, topics=topics, instance=0),
+                      "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    with_model = {**base, **settings_env(model_path=model)}
     metrics = tmp_path / "metrics.jsonl"
     envs = {
-        "inference": {**base},
-        "reward": {k: v for k, v in base.items() if k != "RLBUS_MODEL_PATH"},
-        "rollout": {**base, "RLBUS_AGENT": agent},
+        "inference": with_model,
+        "reward": base,
+        "rollout": {**with_model, **settings_env(agent=agent)},
         "learner": {
-            **base,
-            "RLBUS_TASK": "calculator",
-            "RLBUS_MAX_STEPS": str(STEPS),
-            "RLBUS_GROUPS_PER_STEP": str(GROUPS),
-            "RLBUS_GROUP_SIZE": str(GROUP_SIZE),
-            "RLBUS_MAX_NEW_TOKENS": "4" if agent == "multi_turn" else "12",
-            "RLBUS_WEIGHTS_DIR": str(tmp_path / "weights"),
-            "RLBUS_CHECKPOINT_DIR": str(tmp_path / "checkpoint"),
-            "RLBUS_METRICS_FILE": str(metrics),
-            "RLBUS_RUN_NAME": "calc",
+            **with_model,
+            **settings_env(
+                task="calculator",
+                max_steps=STEPS,
+                groups_per_step=GROUPS,
+                group_size=GROUP_SIZE,
+                max_new_tokens=4 if agent == "multi_turn" else 12,
+                weights_dir=tmp_path / "weights",
+                checkpoint_dir=tmp_path / "checkpoint",
+                metrics_file=metrics,
+                run_name="calc",
+            ),
         },
     }
     procs = ServiceProcesses(tmp_path / "logs")

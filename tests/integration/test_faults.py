@@ -22,7 +22,7 @@ import pytest
 from rlbus.ops.broker import LocalCluster
 from rlbus.ops.launcher import ServiceProcesses
 from rlbus.processes import child_env, tail
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import ensure_topics
 from tests.support.ledger import LedgerCheck, check_ledger, expected_episodes, load_ledger
 
@@ -68,40 +68,35 @@ class Run:
         return load_ledger(self.dir / "checkpoint" / "checkpoint.pt")
 
 
-def _env(bootstrap: str, prefix: str, run_dir: Path) -> dict[str, dict[str, str]]:
-    base = child_env()
-    base.update(
-        {
-            "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
-            "RLBUS_KAFKA__REQUEST_TIMEOUT_S": "60",
-            "RLBUS_TOPICS__PREFIX": prefix,
-            "RLBUS_TOPICS__PARTITIONS": "2",
-            "RLBUS_TOPICS__RESULT_PARTITIONS": "2",
-            "RLBUS_INSTANCE": "0",
-        }
-    )
+def _env(bootstrap: str, topics: TopicSettings, run_dir: Path) -> dict[str, dict[str, str]]:
+    kafka = KafkaSettings(bootstrap=bootstrap, request_timeout_s=60)
+    base = child_env(settings_env(kafka=kafka, topics=topics, instance=0))
     return {
-        "inference": {**base, "RLBUS_ENGINE": "synthetic"},
+        "inference": {**base, **settings_env(engine="synthetic")},
         "reward": base,
         "rollout": {
             **base,
-            "RLBUS_TOKENIZER": "synthetic",
-            "RLBUS_STEP_TIMEOUT_S": "3",
-            "RLBUS_STEP_RETRIES": "40",  # outlives any outage these tests cause
+            **settings_env(
+                tokenizer="synthetic",
+                step_timeout_s=3,
+                step_retries=40,  # outlives any outage these tests cause
+            ),
         },
         "learner": {
             **base,
-            "RLBUS_TRAINER": "synthetic",
-            "RLBUS_SYNTHETIC_STEP_S": "0.3",
-            "RLBUS_MAX_STEPS": str(STEPS),
-            "RLBUS_GROUPS_PER_STEP": str(GROUPS_PER_STEP),
-            "RLBUS_GROUP_SIZE": str(GROUP_SIZE),
-            "RLBUS_CHECKPOINT_EVERY": "2",
-            "RLBUS_MAX_STALENESS": "2",
-            "RLBUS_CHECKPOINT_DIR": str(run_dir / "checkpoint"),
-            "RLBUS_WEIGHTS_DIR": str(run_dir / "weights"),
-            "RLBUS_METRICS_FILE": str(run_dir / "metrics.jsonl"),
-            "RLBUS_RUN_NAME": "run",
+            **settings_env(
+                trainer="synthetic",
+                synthetic_step_s=0.3,
+                max_steps=STEPS,
+                groups_per_step=GROUPS_PER_STEP,
+                group_size=GROUP_SIZE,
+                checkpoint_every=2,
+                max_staleness=2,
+                checkpoint_dir=run_dir / "checkpoint",
+                weights_dir=run_dir / "weights",
+                metrics_file=run_dir / "metrics.jsonl",
+                run_name="run",
+            ),
         },
     }
 
@@ -121,7 +116,7 @@ def start_run(tmp_path: Path, unique_name) -> Iterator[Callable[..., Run]]:
         )
         asyncio.run(ensure_topics(KafkaSettings(bootstrap=bootstrap), topics))
         run = Run(tmp_path, ServiceProcesses(tmp_path / "logs"))
-        envs = _env(bootstrap, prefix, tmp_path)
+        envs = _env(bootstrap, topics, tmp_path)
         for name in ("inference", "reward", "rollout", "learner"):
             run.procs.spawn(name, 0, envs[name])
         runs.append(run)

@@ -13,7 +13,7 @@ from rlbus.codec import encode
 from rlbus.messages import Prompt, StepRequest, Trajectory
 from rlbus.ops import inspection
 from rlbus.processes import child_env
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus, RawRecord
 from rlbus.transport.deadletter import DeadLetterSink
@@ -117,10 +117,13 @@ async def test_replay_by_episode_and_republish(env, unique_name):
     assert sorted(t.episode_id for t in decoded) == ["run/7/1", "run/7/2"]
 
 
+def _settings_env(kafka_bootstrap: str, topics: Topics) -> dict[str, str]:
+    """The broker and topics of this test for a CLI process."""
+    return settings_env(kafka=KafkaSettings(bootstrap=kafka_bootstrap), topics=topics.settings)
+
+
 async def _replay_cli(kafka_bootstrap, topics, *args):
-    env_vars = child_env(
-        {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
-    )
+    env_vars = child_env(_settings_env(kafka_bootstrap, topics))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rlbus.ops.cli", "replay", *args, env=env_vars,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -224,10 +227,7 @@ async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap
         '{"task": "guess_number", "spec": {"target": 3, "low": 0, "high": 15, "max_turns": 5}}\n'
         '{"task": "addition", "spec": {"a": 1, "b": 2}, "group_id": "mine/1"}\n'
     )
-    env_vars = child_env()
-    env_vars.update(
-        {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.settings.prefix}
-    )
+    env_vars = child_env(_settings_env(kafka_bootstrap, topics))
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -19,7 +19,7 @@ from rlbus.messages import WeightVersion
 from rlbus.processes import child_env, spawn_process, tail
 from rlbus.reward.service import Reward
 from rlbus.rollout.service import Rollout
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus
 from tests.pipeline import settings
@@ -83,15 +83,12 @@ async def test_torchrun_learner_publishes_and_checkpoints_once(
     others = [Inference(s["inference"], make("inference")), Reward(s["reward"], make("reward")),
               Rollout(s["rollout"], make("rollout"))]
     tasks = [asyncio.create_task(o.run()) for o in others]
-    env = child_env({
-        "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_KAFKA__REQUEST_TIMEOUT_S": "20",
-        "RLBUS_TOPICS__PREFIX": topics.prefix, "RLBUS_TOPICS__PARTITIONS": "2",
-        "RLBUS_TOPICS__RESULT_PARTITIONS": "2", "RLBUS_MODEL_PATH": str(model),
-        "RLBUS_MAX_STEPS": "2", "RLBUS_GROUPS_PER_STEP": "2", "RLBUS_GROUP_SIZE": "4",
-        "RLBUS_CHECKPOINT_EVERY": "1", "RLBUS_CHECKPOINT_DIR": str(tmp_path / "checkpoint"),
-        "RLBUS_WEIGHTS_DIR": str(tmp_path / "weights"),
-        "RLBUS_METRICS_FILE": str(tmp_path / "metrics.jsonl"), "RLBUS_LOG_LEVEL": "INFO",
-    })
+    env = child_env(settings_env(
+        kafka=kafka, topics=topics, model_path=model, max_steps=2, groups_per_step=2,
+        group_size=4, checkpoint_every=1, checkpoint_dir=tmp_path / "checkpoint",
+        weights_dir=tmp_path / "weights", metrics_file=tmp_path / "metrics.jsonl",
+        log_level="INFO",
+    ))
     log = tmp_path / "learner.log"
     learner = spawn_process([*TORCHRUN, "-m", "rlbus.learner"], env, log)
     try:

@@ -8,6 +8,7 @@ import pytest
 
 from rlbus.ops.launcher import ServiceProcesses
 from rlbus.processes import child_env
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from tests.polling import wait_until_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -15,16 +16,10 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 @pytest.mark.parametrize("service", ["inference", "reward", "rollout"])
 def test_sigterm_drains_and_exits_cleanly(kafka_bootstrap, unique_name, tmp_path, service):
-    env = child_env()
-    env.update(
-        {"RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": unique_name("lc")}
-    )
-    env.update(
-        {
-            "inference": {"RLBUS_ENGINE": "synthetic"},
-            "rollout": {"RLBUS_TOKENIZER": "synthetic"},
-        }.get(service, {})
-    )
+    own = {"inference": {"engine": "synthetic"}, "rollout": {"tokenizer": "synthetic"}}
+    env = child_env(settings_env(kafka=KafkaSettings(bootstrap=kafka_bootstrap),
+                                 topics=TopicSettings(prefix=unique_name("lc")),
+                                 **own.get(service, {})))
     subprocess.run(
         [sys.executable, "-m", "rlbus.ops.cli", "topics", "create"],
         env=env,

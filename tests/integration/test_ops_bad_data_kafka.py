@@ -21,7 +21,7 @@ from aiokafka.structs import TopicPartition
 from rlbus.codec import encode
 from rlbus.messages import DeadLetter
 from rlbus.processes import child_env
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.topics import Topics, ensure_topics
 from tests import factories
 
@@ -65,8 +65,7 @@ async def hostile(kafka_bootstrap, unique_name):
         await producer.stop()
     await _commit_as(kafka_bootstrap, MARKUP_GROUP, TopicPartition(topics.steps, 0), 1)
     env = child_env({
-        "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap,
-        "RLBUS_TOPICS__PREFIX": settings.prefix,
+        **settings_env(kafka=KafkaSettings(bootstrap=kafka_bootstrap), topics=settings),
         "COLUMNS": "80",
     })  # fmt: skip
     return topics, env

@@ -20,7 +20,7 @@ from rlbus.reward.service import Reward
 from rlbus.reward.settings import RewardSettings
 from rlbus.rollout.service import Rollout
 from rlbus.rollout.settings import RolloutSettings
-from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 from rlbus.tasks import GuessNumber
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus
@@ -111,9 +111,8 @@ async def test_a_rollout_process_fed_the_pill_still_stops_on_sigterm(
     t = Topics(topics)
     procs = ServiceProcesses(tmp_path)
     rollout = procs.spawn("rollout", 0, child_env({
-        "RLBUS_KAFKA__BOOTSTRAP": kafka_bootstrap, "RLBUS_TOPICS__PREFIX": topics.prefix,
-        "RLBUS_TOPICS__PARTITIONS": "1", "RLBUS_TOPICS__RESULT_PARTITIONS": "1",
-        "RLBUS_TOKENIZER": "synthetic", "PYTHONUNBUFFERED": "1"}))
+        **settings_env(kafka=kafka, topics=topics, tokenizer="synthetic"),
+        "PYTHONUNBUFFERED": "1"}))
     try:
         sender = KafkaBus(kafka, dlq_topic=None, service="test")
         producer = await sender.producer()

@@ -19,42 +19,15 @@ import math
 import random
 import sys
 import zlib
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.settings import InferenceSettings
-from rlbus.messages import FinishReason, Sampling
+from rlbus.messages import Sampling
 from rlbus.weights import verified_weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One completion."""
-
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-
-
-class Engine(ABC):
-    """A batch generator with a policy version."""
-
-    version: int = 0
-
-    @abstractmethod
-    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
-        """Complete every prompt with the same sampling parameters."""
-
-    @abstractmethod
-    async def load(self, uri: str, checksum: str, version: int) -> None:
-        """Replace the weights (between batches)."""
-
-    async def close(self) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------- hf

@@ -22,7 +22,8 @@ from collections import defaultdict, deque
 from typing import Any
 
 from rlbus import telemetry
-from rlbus.inference.engines import Completion, Engine, make_engine
+from rlbus.inference.engine import Completion, Engine
+from rlbus.inference.engines import make_engine
 from rlbus.inference.settings import InferenceSettings
 from rlbus.limits import check_step
 from rlbus.messages import Sampling, StepRequest, StepResult, WeightVersion

@@ -28,7 +28,7 @@ import time
 import zlib
 from typing import Any
 
-from rlbus.inference.engines import Completion, Engine
+from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.settings import InferenceSettings
 from rlbus.messages import FinishReason, Sampling
 from rlbus.weights import verified_weights

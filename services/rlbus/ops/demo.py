@@ -21,6 +21,7 @@ from typing import Any
 
 from rlbus.ops.launcher import ServiceProcesses
 from rlbus.processes import child_env, tail
+from rlbus.settings import KafkaSettings, TopicSettings, settings_env
 
 # The demo's training recipe: small batches, many steps, one token per guess, two optimizer
 # passes per batch and an entropy bonus over every trained token (searched in-process, then
@@ -70,6 +71,7 @@ class Demo:
 
     def prepare(self) -> dict[str, str]:
         from rlbus.ops.broker import bootstrap_or_start
+        from rlbus.topics import ensure_topics
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         say(f"run folder: {self.run_dir}")
@@ -85,41 +87,22 @@ class Demo:
             transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
             build_tiny_model(model, size=self.size)
         self.model = model
-        prefix = f"demo-{self.run_dir.name}"
-        # Only the variables every service accepts: settings reject unknown RLBUS_* keys.
-        env = child_env()
-        env.update(
-            {
-                "RLBUS_KAFKA__BOOTSTRAP": bootstrap,
-                "RLBUS_TOPICS__PREFIX": prefix,
-                "RLBUS_TOPICS__PARTITIONS": "4",
-                "RLBUS_TOPICS__RESULT_PARTITIONS": "4",
-                "PYTHONUNBUFFERED": "1",
-                "TRANSFORMERS_VERBOSITY": "error",
-                "HF_HUB_OFFLINE": "1",
-            }
-        )
-        self._create_topics(env)
-        return env
-
-    def _create_topics(self, env: dict[str, str]) -> None:
-        from rlbus.settings import KafkaSettings, TopicSettings
-        from rlbus.topics import ensure_topics
-
-        kafka = KafkaSettings(bootstrap=env["RLBUS_KAFKA__BOOTSTRAP"])
-        topics = TopicSettings(
-            prefix=env["RLBUS_TOPICS__PREFIX"], partitions=4, result_partitions=4
-        )
+        kafka = KafkaSettings(bootstrap=bootstrap)
+        topics = TopicSettings(prefix=f"demo-{self.run_dir.name}", partitions=4,
+                               result_partitions=4)
         asyncio.run(ensure_topics(kafka, topics))
+        # Only the settings every service has: the per-tier ones come in launch().
+        return child_env({**settings_env(kafka=kafka, topics=topics), "PYTHONUNBUFFERED": "1",
+                          "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"})
 
     def launch(self, env: dict[str, str]) -> None:
-        model = {"RLBUS_MODEL_PATH": str(self.model)}
-        engine = {"RLBUS_ENGINE": self.engine}
+        model = settings_env(model_path=self.model)
+        engine = settings_env(engine=self.engine)
         if self.engine == "vllm":  # one shape for every request: no CUDA graphs to capture
-            engine |= {"RLBUS_VLLM_ENFORCE_EAGER": "true", "RLBUS_VLLM_MAX_MODEL_LEN": "256",
-                       # a tiny model: 1 GiB of KV cache, and no claim on most of the RAM
-                       # (on the CPU backend the "GPU" share is of the machine's memory)
-                       "RLBUS_VLLM_KV_CACHE_GIB": "1", "RLBUS_VLLM_GPU_MEMORY_UTILIZATION": "0.2"}
+            # a tiny model: 1 GiB of KV cache, and no claim on most of the RAM (on the CPU
+            # backend the "GPU" share is of the machine's memory)
+            engine |= settings_env(vllm_enforce_eager=True, vllm_max_model_len=256,
+                                   vllm_kv_cache_gib=1, vllm_gpu_memory_utilization=0.2)
         extra: dict[str, dict[str, str]] = {
             "inference": {**model, **engine},
             "reward": {},
@@ -127,18 +110,16 @@ class Demo:
             "learner": {
                 **model,
                 **RECIPE,
-                "RLBUS_MAX_STEPS": str(self.steps),
-                "RLBUS_WEIGHTS_DIR": str(self.run_dir / "weights"),
-                "RLBUS_CHECKPOINT_DIR": str(self.run_dir / "checkpoint"),
-                "RLBUS_METRICS_FILE": str(self.metrics),
-                "RLBUS_RUN_NAME": self.run_dir.name,
+                **settings_env(max_steps=self.steps, weights_dir=self.run_dir / "weights",
+                               checkpoint_dir=self.run_dir / "checkpoint",
+                               metrics_file=self.metrics, run_name=self.run_dir.name),
             },
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
         for name, count in counts.items():
             python = self.vllm_python if name == "inference" else None
             for i in range(count):
-                self.procs.spawn(name, i, {**env, **extra[name], "RLBUS_INSTANCE": str(i)},
+                self.procs.spawn(name, i, {**env, **extra[name], **settings_env(instance=i)},
                                  python=python)
 
     # -- running

@@ -3,19 +3,26 @@ logged once where unused); a variable no service reads is an error that names th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import subprocess
 import sys
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import pytest
+from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 
 from rlbus import settings
 from rlbus.inference.settings import InferenceSettings
+from rlbus.learner.settings import LearnerSettings
 from rlbus.ops.admin import AdminSettings
 from rlbus.processes import child_env
 from rlbus.reward.settings import RewardSettings
-from rlbus.settings import UnknownSettingError
+from rlbus.settings import KafkaSettings, TopicSettings, UnknownSettingError
 
 
 @pytest.fixture
@@ -113,3 +120,115 @@ def test_rlbus_run_reward_starts_with_a_variable_meant_for_another_tier():
     assert "invalid settings" not in out.stderr
     assert "RLBUS_MODEL_PATH is not a setting of RewardSettings" in out.stderr
     assert "cannot reach Kafka" in out.stderr  # i.e. it got past its settings
+
+
+# --------------------------------------------------------------- settings -> env -> settings
+
+STRINGS = ["x", "a b=c,d", "ünïcode", "h1:9093,h2:9094", '{"looks": "json"}', "123", "null"]
+PATHS = [Path("/tmp/rlbus run/ß"), Path("relative/dir")]
+DICTS = [{"a": 1}, {"nested": {"b": [1.5, "x", None]}, "flag": True, "s": "true"}]
+
+
+def _draw(annotation: Any, default: Any, rng: random.Random) -> Any:
+    """A value of ``annotation`` other than ``default`` (maybe outside the field's bounds)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return rng.choice([a for a in args if a != default])
+    if origin in (UnionType, Union):  # X | None: None is the default or not expressible
+        return _draw(next(a for a in args if a is not type(None)), default, rng)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _section(annotation, rng, every=True)
+    base = default if isinstance(default, int | float) else 0
+    draws: dict[Any, list[Any]] = {
+        bool: [not default],
+        int: [base + 1, base + 7, 2 * base + 1, 1 << 20],
+        float: [base + 0.25, base * 1.5 + 0.1, 0.1 + 0.2, 1e-5, 12345.678],
+        str: STRINGS, Path: PATHS, SecretStr: [SecretStr('p@ss w=rd "q"')],
+    }
+    return rng.choice(draws.get(annotation) or draws.get(origin) or DICTS)
+
+
+def _fields(cls: type[BaseModel], rng: random.Random, every: bool) -> dict[str, Any]:
+    """Each field (or, unless ``every``, about half of them) set to a valid non-default value."""
+    values = {}
+    for name, field in cls.model_fields.items():
+        if not every and rng.random() < 0.5:
+            continue
+        default = field.get_default(call_default_factory=True)
+        bounded = Annotated[(field.annotation, *field.metadata)] if field.metadata else None
+        adapter = TypeAdapter(bounded or field.annotation)
+        for _ in range(100):
+            value = _draw(field.annotation, default, rng)
+            with contextlib.suppress(ValidationError):
+                if adapter.validate_python(value) != default:
+                    values[name] = value
+                    break
+        else:
+            raise AssertionError(f"no valid non-default value drawn for {cls.__name__}.{name}")
+    return values
+
+
+def _section(cls: type[BaseModel], rng: random.Random, every: bool) -> BaseModel:
+    """A valid ``cls`` with non-default fields (redrawn while a cross-field check refuses)."""
+    for _ in range(100):
+        with contextlib.suppress(ValidationError):
+            return cls(**_fields(cls, rng, every))
+    raise AssertionError(f"no valid {cls.__name__} drawn")
+
+
+CLASSES = [settings.ServiceSettings, *settings.settings_classes()]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_settings_survive_the_trip_through_a_childs_environment(env, cls, seed):
+    """settings -> settings_env -> the same class built from that environment: equal."""
+    original = _section(cls, random.Random(f"{cls.__name__}/{seed}"), every=seed == 0)
+    env(**settings.settings_env(original))
+    assert cls() == original
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_field_of_every_section_can_be_passed_on(cls):
+    names = settings.variable_names(cls)
+    leaves = {n for n in names if not any(m.startswith(n + "__") for m in names)}
+    assert set(settings.settings_env(_section(cls, random.Random(0), every=True))) == leaves
+
+
+def test_defaults_are_left_to_the_child():
+    assert settings.settings_env(InferenceSettings()) == {}
+    assert settings.settings_env(kafka=KafkaSettings(), topics=TopicSettings(partitions=2)) == {
+        "RLBUS_TOPICS__PARTITIONS": "2"}
+
+
+def test_named_settings_are_written_as_the_child_reads_them(env):
+    passed = settings.settings_env(
+        kafka=KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+                            sasl_username="u", sasl_password=SecretStr("s3cret")),
+        instance=3, feed=False, task_spec={"max_ms": 5}, weights_dir=Path("/w"))
+    assert passed["RLBUS_KAFKA__SASL_PASSWORD"] == "s3cret"
+    env(**passed)
+    learner = LearnerSettings()
+    assert (learner.instance, learner.feed, learner.task_spec) == ("3", False, {"max_ms": 5})
+    assert learner.kafka.sasl_password == SecretStr("s3cret")
+
+
+def test_a_name_no_service_has_fails_in_the_parent():
+    with pytest.raises(UnknownSettingError, match=r"RLBUS_MAX_STEP \(did you mean RLBUS_MAX_STEPS"):
+        settings.settings_env(max_step=3)
+
+
+def test_none_over_a_default_that_is_not_none_fails_loudly():
+    """pydantic-settings reads no string as None, so the child would not get it."""
+    with pytest.raises(ValueError, match="RLBUS_TORCH_THREADS: None cannot be set"):
+        settings.settings_env(InferenceSettings(torch_threads=None))
+
+
+def test_a_section_of_another_class_is_refused():
+    """A look-alike with other defaults: its fields at their defaults would be lost."""
+
+    class LoadTestEngine(BaseModel):
+        base_ms: float = 2.0  # the tier's is 5.0
+
+    with pytest.raises(TypeError, match="synthetic: a LoadTestEngine is not the synthetic"):
+        settings.settings_env(synthetic=LoadTestEngine())

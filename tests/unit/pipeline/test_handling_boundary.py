@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from rlbus.codec import encode
-from rlbus.inference.engines import Completion, Engine
+from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
 from rlbus.learner.service import Learner
