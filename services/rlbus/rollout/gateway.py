@@ -20,8 +20,9 @@ reason (published as failed, masked by the learner). Nothing is trained on a con
 model did not see.
 
 Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the
-completion (the Hermes/Qwen convention) are returned as OpenAI ``tool_calls``; a block that
-is not valid JSON stays in the content as text.
+completion (the Hermes/Qwen convention, read by :mod:`rlbus.tool_calls` as the default agent
+reads it) are returned as OpenAI ``tool_calls``; a malformed block stays in the content as
+text.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,10 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlbus.api import Generation, Policy
 from rlbus.messages import Sampling, Turn
+from rlbus.tool_calls import find_tool_calls, without_calls
 
 log = logging.getLogger(__name__)
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class GatewayError(Exception):
@@ -203,25 +202,14 @@ class Session:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content without the valid call blocks, OpenAI tool_calls)."""
-    calls: list[dict[str, Any]] = []
-
-    def take(m: re.Match[str]) -> str:
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return m.group(0)  # not a call: stays as text
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return m.group(0)
-        args = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-                      "function": {"name": call["name"], "arguments":
-                                   args if isinstance(args, str) else json.dumps(args)}})
-        return ""
-
-    content = _TOOL_CALL.sub(take, text)
+    """(content without the well-formed call blocks, OpenAI tool_calls); a malformed block
+    stays in the content as text (:mod:`rlbus.tool_calls`)."""
+    blocks = find_tool_calls(text)
+    calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+              "function": {"name": b.name, "arguments": json.dumps(b.arguments)}}
+             for b in blocks if b.ok]
     # without calls the text is returned as sampled, to the byte: it comes back as history
-    return (content.strip() if calls else text), calls
+    return (without_calls(text, blocks).strip() if calls else text), calls
 
 
 class Gateway:
