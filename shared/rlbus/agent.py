@@ -8,10 +8,11 @@ not fit in ``max_context_tokens``.
 
 Tools: when the environment offers any, the first observation ends with their description
 (:func:`describe_tools`) and an action of the form
-``<tool_call>{"name": "...", "arguments": {...}}</tool_call>`` (the format common chat
-templates use) runs that tool under the episode's timeout instead of stepping the
-environment. Its result is the next observation; an unknown tool, bad arguments, an
-exception or a timeout give an ``error: ...`` observation, and the episode goes on. Every
+``<tool_call>{"name": "...", "arguments": {...}}</tool_call>`` (read by
+:mod:`rlbus.tool_calls`, as the gateway reads it) runs that tool under the episode's timeout
+instead of stepping the environment. Its result is the next observation; a malformed call,
+an unknown tool, bad arguments, an exception or a timeout give an ``error: ...``
+observation, and the episode goes on. Every
 call is recorded in its turn (:class:`rlbus.messages.ToolCall`).
 """
 
@@ -20,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from rlbus.api import Agent, Episode, Tool
 from rlbus.messages import ToolCall, Turn
+from rlbus.tool_calls import find_tool_calls
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 MAX_TOOL_RESULT_CHARS = 4000
 """A tool's answer is cut to this many characters before it enters the context."""
 
@@ -43,21 +43,13 @@ def describe_tools(tools: Sequence[Tool]) -> str:
 
 
 def parse_tool_call(action: str) -> tuple[str, dict[str, Any]] | str | None:
-    """``(name, arguments)`` for a tool call, an error text for a malformed one, None if the
-    action calls no tool."""
-    found = _TOOL_CALL.search(action)
-    if found is None:
+    """``(name, arguments)`` for the action's first tool call, an error text for a malformed
+    one (:mod:`rlbus.tool_calls`), None if the action calls no tool."""
+    blocks = find_tool_calls(action)
+    if not blocks:
         return None
-    try:
-        call = json.loads(found.group(1))
-    except json.JSONDecodeError as exc:
-        return f"tool call is not valid JSON: {exc}"
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'tool call needs {"name": str, "arguments": {...}}'
-    arguments = call.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return "tool call arguments must be a JSON object"
-    return call["name"], arguments
+    first = blocks[0]
+    return first.error if first.error is not None else (first.name, first.arguments)
 
 
 async def run_tool(tools: Sequence[Tool], name: str, arguments: dict[str, Any],

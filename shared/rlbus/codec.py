@@ -10,7 +10,9 @@ Decoding is bounded before anything sees the object (:class:`rlbus.limits.Limits
 unpacker refuses a string, binary or collection over its limit before allocating it, and
 the unpacked object is walked (with a stack, not recursion) for its depth and element count
 before pydantic, json or a task's code can recurse into it. Over a limit is a
-:class:`DecodeError` naming the ``RLBUS_LIMITS__*`` setting.
+:class:`DecodeError` naming the ``RLBUS_LIMITS__*`` setting. Each DecodeError says which
+kind of refusal it is (:class:`rlbus.errors.RefusalReason`): not msgpack or not a map
+(undecodable), over a limit, or not a valid message of the type (invalid).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
+from rlbus.errors import DecodeError as DecodeError  # still importable from here
+from rlbus.errors import RefusalReason
 from rlbus.limits import Limits
 
 M = TypeVar("M", bound=BaseModel)
@@ -33,10 +37,6 @@ _UNPACKER_LIMITS = {  # msgpack's own refusal names its argument; ours names the
     "max_array_len": "max_elements",
     "max_map_len": "max_elements",
 }
-
-
-class DecodeError(ValueError):
-    """The bytes are not a valid message of the expected type."""
 
 
 def encode(message: BaseModel, *, packed: bool = True) -> bytes:
@@ -54,9 +54,11 @@ def decode(data: bytes, cls: type[M], limits: Limits = _DEFAULT_LIMITS) -> M:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        raise DecodeError(f"invalid {cls.__name__}: {_short(exc)}") from exc
+        raise DecodeError(f"invalid {cls.__name__}: {_short(exc)}",
+                          reason=RefusalReason.INVALID) from exc
     except Exception as exc:  # a validator that raised something else: still the bytes' fault
-        raise DecodeError(f"invalid {cls.__name__}: {type(exc).__name__}: {exc}") from exc
+        raise DecodeError(f"invalid {cls.__name__}: {type(exc).__name__}: {exc}",
+                          reason=RefusalReason.INVALID) from exc
 
 
 def unpack(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Any:
@@ -71,12 +73,13 @@ def unpack(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Any:
         )
     except msgpack.StackError as exc:  # msgpack's own stack: 1024 levels
         raise DecodeError(f"nested deeper than the unpacker's stack, over the limit "
-                          f"{limits.max_depth} (RLBUS_LIMITS__MAX_DEPTH)") from exc
+                          f"{limits.max_depth} (RLBUS_LIMITS__MAX_DEPTH)",
+                          reason=RefusalReason.OVER_LIMIT) from exc
     except Exception as exc:
-        raise DecodeError(_unpack_failure(exc, limits, len(data))) from exc
+        raise _unpack_failure(exc, limits, len(data)) from exc
     why = shape_error(raw, limits)
     if why is not None:
-        raise DecodeError(why)
+        raise DecodeError(why, reason=RefusalReason.OVER_LIMIT)
     return raw
 
 
@@ -100,14 +103,15 @@ def shape_error(obj: Any, limits: Limits) -> str | None:
     return None
 
 
-def _unpack_failure(exc: Exception, limits: Limits, size: int) -> str:
+def _unpack_failure(exc: Exception, limits: Limits, size: int) -> DecodeError:
     text = str(exc)
     for argument, setting in _UNPACKER_LIMITS.items():
         if argument in text:
             limit = getattr(limits, setting)
-            return (f"{text}: over the limit {size if limit is None else limit} "
-                    f"(RLBUS_LIMITS__{setting.upper()})")
-    return f"not msgpack: {type(exc).__name__}: {text}"
+            return DecodeError(f"{text}: over the limit {size if limit is None else limit} "
+                               f"(RLBUS_LIMITS__{setting.upper()})",
+                               reason=RefusalReason.OVER_LIMIT)
+    return DecodeError(f"not msgpack: {type(exc).__name__}: {text}")
 
 
 def to_jsonable(message: BaseModel) -> dict[str, Any]:

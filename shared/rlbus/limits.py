@@ -4,7 +4,9 @@ A message is valid msgpack and valid schema, and still hostile: a Prompt with a 
 10^9 made a rollout process allocate 7 GB in a minute and, never acked, came back to every
 restarted instance (a poison pill). Each tier checks what it is about to multiply against
 these limits (``RLBUS_LIMITS__*``, the same for every tier) and dead-letters a message over
-one with the reason; nothing of it is started, and the offset moves on.
+one with the reason; nothing of it is started, and the offset moves on. A check's verdict is
+a :class:`rlbus.errors.Refusal`: over a limit, or invalid (an invariant the schema cannot
+state), with the text that names the setting.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, model_validator
+
+from rlbus.errors import Refusal, RefusalReason
 
 if TYPE_CHECKING:  # settings import this module; it stays free of the wire types
     from rlbus.messages import Prompt, ScoredTrajectory, StepRequest, Trajectory
@@ -63,11 +67,12 @@ def _spec_bytes(spec: object) -> int:
         return 1 << 62
 
 
-def _over(what: str, value: int, limit: int, setting: str) -> str:
-    return f"{what} {value} is over the limit {limit} (RLBUS_LIMITS__{setting.upper()})"
+def _over(what: str, value: int, limit: int, setting: str, unit: str = "") -> Refusal:
+    return Refusal(RefusalReason.OVER_LIMIT, f"{what} {value} is over the limit {limit} "
+                   f"(RLBUS_LIMITS__{setting.upper()}){unit}")
 
 
-def check_prompt(p: Prompt, limits: Limits) -> str | None:
+def check_prompt(p: Prompt, limits: Limits) -> Refusal | None:
     """Why ``p`` must not be rolled out, or None."""
     if p.group_size > limits.max_group_size:
         return _over("group_size", p.group_size, limits.max_group_size, "max_group_size")
@@ -76,31 +81,32 @@ def check_prompt(p: Prompt, limits: Limits) -> str | None:
                      "max_new_tokens")
     size = _spec_bytes(p.spec)
     if size > limits.max_spec_bytes:
-        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes") + " bytes"
+        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes", " bytes")
     return None
 
 
-def check_step(r: StepRequest, limits: Limits) -> str | None:
+def check_step(r: StepRequest, limits: Limits) -> Refusal | None:
     """Why ``r`` must not be generated, or None."""
     if len(r.input_ids) > limits.max_input_tokens:
         return _over("input of", len(r.input_ids), limits.max_input_tokens,
-                     "max_input_tokens") + " tokens"
+                     "max_input_tokens", " tokens")
     if r.sampling.max_new_tokens > limits.max_new_tokens:
         return _over("max_new_tokens", r.sampling.max_new_tokens, limits.max_new_tokens,
                      "max_new_tokens")
     return None
 
 
-def check_identity(t: Trajectory, limits: Limits) -> str | None:
+def check_identity(t: Trajectory, limits: Limits) -> Refusal | None:
     """Why ``t`` cannot be a member of a group the learner would assemble, or None."""
     if t.group_size > limits.max_group_size:
         return _over("group_size", t.group_size, limits.max_group_size, "max_group_size")
     if t.index >= t.group_size:
-        return f"episode index {t.index} is not below its group_size {t.group_size}"
+        return Refusal(RefusalReason.INVALID,
+                       f"episode index {t.index} is not below its group_size {t.group_size}")
     return None
 
 
-def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
+def check_trajectory(t: Trajectory, limits: Limits) -> Refusal | None:
     """Why ``t`` must not be scored or trained on, or None."""
     why = check_identity(t, limits)
     if why is not None:
@@ -109,21 +115,22 @@ def check_trajectory(t: Trajectory, limits: Limits) -> str | None:
         return _over("turns", len(t.turns), limits.max_turns, "max_turns")
     size = _spec_bytes(t.spec)
     if size > limits.max_spec_bytes:
-        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes") + " bytes"
+        return _over("spec of", size, limits.max_spec_bytes, "max_spec_bytes", " bytes")
     return None
 
 
-def check_scored(s: ScoredTrajectory, limits: Limits) -> str | None:
+def check_scored(s: ScoredTrajectory, limits: Limits) -> Refusal | None:
     return check_trajectory(s.trajectory, limits)
 
 
-def check_token_ids(t: Trajectory, vocab_size: int) -> str | None:
+def check_token_ids(t: Trajectory, vocab_size: int) -> Refusal | None:
     """Why ``t`` holds a token id its model has no embedding for, or None: valid on the wire,
     such an id fails every batch it lands in (an embedding lookup out of range)."""
     for k, turn in enumerate(t.turns):
         for field, ids in (("input_ids", turn.input_ids), ("completion_ids", turn.completion_ids)):
             if len(ids) and not 0 <= min(ids) <= max(ids) < vocab_size:
                 bad = next(i for i in ids if not 0 <= i < vocab_size)
-                return (f"turn {k} {field} holds token id {bad}, outside the model's "
-                        f"vocabulary of {vocab_size}")
+                return Refusal(RefusalReason.INVALID,
+                               f"turn {k} {field} holds token id {bad}, outside the model's "
+                               f"vocabulary of {vocab_size}")
     return None

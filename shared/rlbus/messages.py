@@ -328,7 +328,12 @@ class DeadLetter(Message):
     partition: int
     offset: int
     error: str
+    """Why, for a person (an exception's "<Type>: <message>", or a check's verdict)."""
     service: str
     key: bytes | None = None
     payload: bytes = b""
     failed_at: float = Field(default_factory=time.time)
+    reason: str = ""
+    """Why, as a code: a :class:`rlbus.errors.RefusalReason` value. A plain string, so that a
+    reader older than a reason still reads the letter; empty from a writer older than the
+    field."""

@@ -19,6 +19,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Literal, TypeVar, cast
 
 from rlbus.api import Agent, ChatAgent, Task, Verifier
+from rlbus.errors import PluginError as PluginError  # still importable from here
 
 Kind = Literal["task", "agent", "verifier"]
 GROUPS: dict[Kind, str] = {
@@ -29,10 +30,6 @@ GROUPS: dict[Kind, str] = {
 _BASES: dict[Kind, tuple[type, ...]] = {
     "task": (Task,), "agent": (Agent, ChatAgent), "verifier": (Verifier,)}
 T = TypeVar("T")
-
-
-class PluginError(LookupError):
-    """A task, agent or verifier cannot be found or loaded; the message says why."""
 
 
 def installed(kind: Kind) -> list[str]:

@@ -13,12 +13,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
+from rlbus.errors import SandboxError as SandboxError  # still importable from here
+
 _RESCAN_S = 0.5
 """How often the uids set aside for their zombies are checked again."""
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed, not the program: the sample must not be scored."""
 
 
 def _kill_all(pgid: int | None, uid: int | None) -> None:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlbus.errors import UnknownSettingError as UnknownSettingError  # still importable from here
 from rlbus.limits import Limits
 
 
@@ -94,10 +95,6 @@ settings class: a shell that sets them for those still runs every rlbus command.
 
 log = logging.getLogger(__name__)
 _REPORTED: set[tuple[str, str]] = set()  # (settings class, variable) already logged as unused
-
-
-class UnknownSettingError(ValueError):
-    """An RLBUS_* environment variable names no setting of any rlbus service."""
 
 
 def unknown_env_keys(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> list[str]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from rlbus.errors import TopicCreationError as TopicCreationError  # still importable from here
+from rlbus.errors import TopicMismatchError as TopicMismatchError
 from rlbus.messages import (
     DeadLetter,
     Prompt,
@@ -69,14 +71,6 @@ class Topics:
             TopicSpec(self.weights, WeightVersion, 1, compacted),
             TopicSpec(self.dlq, DeadLetter, 1, work),
         ]
-
-
-class TopicMismatchError(RuntimeError):
-    """An existing topic does not have the shape the catalogue asks for."""
-
-
-class TopicCreationError(RuntimeError):
-    """The broker refused to create a topic (e.g. replication above the broker count)."""
 
 
 _TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code

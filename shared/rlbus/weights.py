@@ -9,6 +9,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from rlbus.errors import (
+    ChecksumMismatchError as ChecksumMismatchError,  # still importable from here
+)
+
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -24,10 +28,6 @@ def weights_file(uri: str) -> Path:
     """The safetensors file of a weight-store entry (a folder or the file itself)."""
     path = Path(uri.removeprefix("file://"))
     return path / WEIGHTS_FILE if path.is_dir() else path
-
-
-class ChecksumMismatchError(RuntimeError):
-    """The weights on disk are not the ones the WeightVersion announced."""
 
 
 def verified_weights(uri: str, checksum: str) -> Path:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlbus.codec import encode
+from rlbus.errors import Refusal, RefusalReason
 from rlbus.messages import Prompt, StepRequest, Trajectory
 from rlbus.ops import inspection
 from rlbus.processes import child_env
@@ -140,12 +141,14 @@ async def test_replay_dlq_shows_a_dead_letters_key_as_text_and_its_payload_decod
     sink = DeadLetterSink(await bus.producer(), topics.dlq, "rollout-0")
     prompt = factories.prompt("long/1")
     for key, value in ((b"long/1", encode(prompt)), (b"\xfe", b"\xc1garbage")):
-        await sink.put(RawRecord(topics.prompts, 0, 7, key, value, {}, 0), "too long")
+        await sink.put(RawRecord(topics.prompts, 0, 7, key, value, {}, 0),
+                       Refusal(RefusalReason.OVER_LIMIT, "too long"))
     rows = await _replay_cli(kafka_bootstrap, topics, "dlq")
     readable, garbage = [row["message"] for row in rows]
     assert readable["key"] == "long/1" and readable["payload_type"] == "Prompt"
     assert readable["payload"]["group_id"] == "long/1"
     assert readable["source_topic"] == topics.prompts and readable["error"] == "too long"
+    assert readable["reason"] == "over_limit"
     assert garbage["key"] == {"base64": "/g=="} and garbage["payload_type"] == "base64"
     assert base64.b64decode(garbage["payload"]["base64"]) == b"\xc1garbage"
 

@@ -186,9 +186,9 @@ class Learner(Service[LearnerSettings]):
         that makes the same stand-in again. One that can be no group's member (a group of
         10^9) ends its group."""
         async with self.scored.handling(d, ack=False) as outcome:
-            outcome.error = check_scored(d.message, self.settings.limits)
-            if outcome.error is not None:
-                await self.scored.reject(d, outcome.error, ack=False)
+            outcome.refusal = check_scored(d.message, self.settings.limits)
+            if outcome.refusal is not None:
+                await self.scored.reject(d, outcome.refusal, ack=False)
                 self.bump("rejected")
             else:
                 with d.processing():

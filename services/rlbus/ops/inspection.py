@@ -237,8 +237,9 @@ def payload_json(payload: bytes, message_type: type[BaseModel] | None) -> tuple[
 
 
 def dead_letter_json(letter: DeadLetter, topics: Topics) -> dict[str, Any]:
-    """A dead letter with its key as text where it is UTF-8 and its payload decoded, next
-    to ``payload_type`` (see :func:`payload_json`)."""
+    """A dead letter (its ``reason`` code next to its ``error`` text) with its key as text
+    where it is UTF-8 and its payload decoded, next to ``payload_type`` (see
+    :func:`payload_json`)."""
     row: dict[str, Any] = jsonable(letter)
     row["key"] = key_text(letter.key)
     del row["payload"]  # put back last, the largest field, after what it was decoded as
@@ -398,9 +399,11 @@ def _render_timeline(rows: list[Decoded], write: Callable[[str], Any]) -> None:
 
 def _what(raw: RawRecord, message: BaseModel | None, error: str | None) -> str:
     if isinstance(message, DeadLetter):
+        reason = f" [{message.reason}]" if message.reason else ""
         return (
             f"DeadLetter from {message.source_topic}[{message.partition}]@{message.offset} "
-            f"by {message.service}: {message.error}; payload base64 {_preview(message.payload)}"
+            f"by {message.service}{reason}: {message.error}; "
+            f"payload base64 {_preview(message.payload)}"
         )
     if message is not None:
         return type(message).__name__

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rlbus.codec import decode, encode
+from rlbus.errors import RefusedError
 from rlbus.messages import Trajectory
 from rlbus.processes import die_with_parent
 
@@ -39,8 +40,9 @@ LOAD_TIMEOUT_S = 120.0
 plugin may pull in a heavy library)."""
 
 
-class VerifierFailed(RuntimeError):
-    """The verifier raised, timed out or its process died; the message says which."""
+class VerifierFailed(RefusedError, RuntimeError):
+    """The verifier raised, timed out or its process died; the message says which: the
+    sample is masked, the pool goes on."""
 
 
 def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process

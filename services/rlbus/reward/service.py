@@ -28,7 +28,7 @@ from rlbus.transport import (
     Delivery,
     MessageTooLargeError,
     Producer,
-    failure_reason,
+    refusal_for,
 )
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,12 @@ class Reward(Service[RewardSettings]):
         rather than hold the others there for ever; None for one that can be no group's
         member (a group of 10^9, an index past its group)."""
         async with self.trajectories.handling(d) as outcome:
-            outcome.error = check_trajectory(d.message, self.settings.limits)
-            if outcome.error is None:
+            outcome.refusal = check_trajectory(d.message, self.settings.limits)
+            if outcome.refusal is None:
                 span = d.start_span()
                 return await self._score(d, span), span
             self.bump("rejected")
-            await self.trajectories.reject(d, outcome.error)
+            await self.trajectories.reject(d, outcome.refusal)
         return self._stand_in(d, outcome.error or "")
 
     def _stand_in(self, d: Delivery[Trajectory], error: str
@@ -104,9 +104,9 @@ class Reward(Service[RewardSettings]):
         try:
             await self.producer.send(self.topics.scored, s, key=s.trajectory.group_id)
         except MessageTooLargeError as exc:
-            error = failure_reason(exc)
-            await self.trajectories.reject(d, error)
-            stand_in = ScoredTrajectory.failed_stand_in(s.trajectory, error)
+            refusal = refusal_for(exc)
+            await self.trajectories.reject(d, refusal)
+            stand_in = ScoredTrajectory.failed_stand_in(s.trajectory, refusal.detail)
             await self.producer.send(self.topics.scored, stand_in, key=s.trajectory.group_id)
 
     async def _score(self, d: Delivery[Trajectory], span: Any) -> ScoredTrajectory:

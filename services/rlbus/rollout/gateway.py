@@ -20,8 +20,9 @@ reason (published as failed, masked by the learner). Nothing is trained on a con
 model did not see.
 
 Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the
-completion (the Hermes/Qwen convention) are returned as OpenAI ``tool_calls``; a block that
-is not valid JSON stays in the content as text.
+completion (the Hermes/Qwen convention, read by :mod:`rlbus.tool_calls` as the default agent
+reads it) are returned as OpenAI ``tool_calls``; a malformed block stays in the content as
+text.
 """
 
 from __future__ import annotations
@@ -30,31 +31,55 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlbus.api import Generation, Policy
+from rlbus.errors import RlbusError
 from rlbus.messages import Sampling, Turn
+from rlbus.tool_calls import find_tool_calls, without_calls
 
 log = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+class GatewayCode(StrEnum):
+    """Why the gateway refused a call: the ``code`` of its OpenAI-style error answer."""
+
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_API_KEY = "invalid_api_key"
+    REQUEST_TOO_LARGE = "request_too_large"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CONTEXT_DIVERGED = "context_diverged"
+    """The history no longer renders to the tokens the model saw: the episode fails."""
+    SESSION_FAILED = "session_failed"
+    CONCURRENT_CALL = "concurrent_call"
+    """Another call of the session is running: the only code worth retrying."""
+    CLIENT_DISCONNECTED = "client_disconnected"
 
 
-class GatewayError(Exception):
-    """An OpenAI-style error answer: HTTP status, message, type, code, param."""
+ErrorKind = Literal["invalid_request_error", "authentication_error", "server_error"]
 
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, kind: str = "invalid_request_error") -> None:
+
+class GatewayError(RlbusError):
+    """An OpenAI-style error answer: HTTP status, message, type, code, param. A call
+    without a ``code`` is malformed in a way OpenAI gives no code for either (bad JSON, an
+    invalid field)."""
+
+    def __init__(self, status: int, message: str, *, code: GatewayCode | None = None,
+                 param: str | None = None, kind: ErrorKind = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = (
             status, message, code, param, kind)
+        self.retriable = code is GatewayCode.CONCURRENT_CALL
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -146,15 +171,15 @@ class Session:
 
     def diverge(self, why: str) -> NoReturn:
         self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
-        raise GatewayError(400, self.failed, code="context_diverged", param="messages")
+        raise GatewayError(400, self.failed, code=GatewayCode.CONTEXT_DIVERGED, param="messages")
 
     async def complete(self, req: ChatRequest) -> dict[str, Any]:
         if self.failed:
             raise GatewayError(400, f"this episode has failed: {self.failed}",
-                               code="session_failed")
+                               code=GatewayCode.SESSION_FAILED)
         if self.busy:
             raise GatewayError(409, "a call of this session is still running: one at a time",
-                               code="concurrent_call")
+                               code=GatewayCode.CONCURRENT_CALL)
         self.busy = True
         try:
             return await self._complete(req)
@@ -167,7 +192,7 @@ class Session:
         if len(context) + max_new > self.max_context_tokens:
             raise GatewayError(400, f"this model's context is {self.max_context_tokens} tokens; "
                                     f"the messages take {len(context)} and {max_new} more "
-                                    "were asked for", code="context_length_exceeded",
+                                    "were asked for", code=GatewayCode.CONTEXT_LENGTH_EXCEEDED,
                                param="messages")
         sampling = Sampling(
             temperature=self.sampling.temperature if req.temperature is None else req.temperature,
@@ -203,25 +228,14 @@ class Session:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content without the valid call blocks, OpenAI tool_calls)."""
-    calls: list[dict[str, Any]] = []
-
-    def take(m: re.Match[str]) -> str:
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return m.group(0)  # not a call: stays as text
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return m.group(0)
-        args = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-                      "function": {"name": call["name"], "arguments":
-                                   args if isinstance(args, str) else json.dumps(args)}})
-        return ""
-
-    content = _TOOL_CALL.sub(take, text)
+    """(content without the well-formed call blocks, OpenAI tool_calls); a malformed block
+    stays in the content as text (:mod:`rlbus.tool_calls`)."""
+    blocks = find_tool_calls(text)
+    calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+              "function": {"name": b.name, "arguments": json.dumps(b.arguments)}}
+             for b in blocks if b.ok]
     # without calls the text is returned as sampled, to the byte: it comes back as history
-    return (content.strip() if calls else text), calls
+    return (without_calls(text, blocks).strip() if calls else text), calls
 
 
 class Gateway:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from rlbus.rollout.gateway import ChatRequest, GatewayError, Session
+from rlbus.rollout.gateway import ChatRequest, GatewayCode, GatewayError, Session
 
 if TYPE_CHECKING:
     from rlbus.rollout.gateway import Gateway
@@ -30,8 +30,8 @@ def _validation(exc: ValidationError | RequestValidationError) -> GatewayError:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
     if err.get("type") == "extra_forbidden":
-        return GatewayError(400, f"unsupported parameter: {loc}", code="unsupported_parameter",
-                            param=loc)
+        return GatewayError(400, f"unsupported parameter: {loc}",
+                            code=GatewayCode.UNSUPPORTED_PARAMETER, param=loc)
     return GatewayError(400, f"invalid {loc or 'request'}: {err.get('msg')}", param=loc or None)
 
 
@@ -49,12 +49,12 @@ def make_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
         return _error(GatewayError(404, f"no route {request.method} {request.url.path}",
-                                   code="not_found"))
+                                   code=GatewayCode.NOT_FOUND))
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, exc: Exception) -> JSONResponse:
         return _error(GatewayError(405, f"{request.method} is not allowed on "
-                                        f"{request.url.path}", code="method_not_allowed"))
+                                        f"{request.url.path}", code=GatewayCode.METHOD_NOT_ALLOWED))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # still an answer
@@ -73,14 +73,14 @@ def make_app(gateway: Gateway) -> FastAPI:
         req = await _parse(request)
         if req.model != gateway.model:
             raise GatewayError(404, f"the model {req.model!r} does not exist; this gateway "
-                                    f"serves {gateway.model!r}", code="model_not_found",
+                                    f"serves {gateway.model!r}", code=GatewayCode.MODEL_NOT_FOUND,
                                param="model")
         if req.n not in (None, 1):
             raise GatewayError(400, "n must be 1: each completion is one turn of one episode",
-                               code="unsupported_parameter", param="n")
+                               code=GatewayCode.UNSUPPORTED_PARAMETER, param="n")
         if req.stream:
-            raise GatewayError(400, "stream is not supported", code="unsupported_parameter",
-                               param="stream")
+            raise GatewayError(400, "stream is not supported",
+                               code=GatewayCode.UNSUPPORTED_PARAMETER, param="stream")
         return JSONResponse(await _until_disconnect(request, session, session.complete(req)))
 
     app.post("/v1/chat/completions")(chat)
@@ -94,7 +94,7 @@ def _session(gateway: Gateway, request: Request, session_id: str | None) -> Sess
     session = gateway.sessions.get(sid)
     if session is None:
         raise GatewayError(401, "no open episode has this session id (the path or the API "
-                                "key); it may have ended", code="invalid_api_key",
+                                "key); it may have ended", code=GatewayCode.INVALID_API_KEY,
                            kind="authentication_error")
     return session
 
@@ -107,13 +107,13 @@ async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                           code="request_too_large")
+                           code=GatewayCode.REQUEST_TOO_LARGE)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
+                               code=GatewayCode.REQUEST_TOO_LARGE)
     return bytes(body)
 
 
@@ -141,5 +141,5 @@ async def _until_disconnect(request: Request, session: Session, work: Any) -> An
             with contextlib.suppress(BaseException):
                 await task
             session.failed = session.failed or "the client disconnected mid-call"
-            raise GatewayError(499, session.failed, code="client_disconnected")
+            raise GatewayError(499, session.failed, code=GatewayCode.CLIENT_DISCONNECTED)
     return task.result()

@@ -29,6 +29,7 @@ from rlbus.api import (
     Task,
     TaskSpec,
 )
+from rlbus.errors import PluginError, Refusal, RefusalReason, RefusedError
 from rlbus.limits import check_prompt
 from rlbus.messages import Prompt, Sampling, StepRequest, StepResult, Trajectory, Turn
 from rlbus.rollout.gateway import Gateway
@@ -39,8 +40,17 @@ from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Produ
 log = logging.getLogger(__name__)
 
 
-class EpisodeFailed(RuntimeError):
-    """The episode cannot go on (no answer, engine error, environment error)."""
+class EpisodeFailed(RefusedError, RuntimeError):
+    """The episode cannot go on (no answer, engine error, environment error): it is
+    published as failed, its group goes on."""
+
+
+def _load_task(name: str) -> Task | Refusal:
+    """The task a prompt names, or why it has none (not installed, does not load)."""
+    try:
+        return plugins.task(name)
+    except PluginError as exc:
+        return exc.refusal
 
 
 class Tokenizer:
@@ -192,14 +202,9 @@ class Rollout(Service[RolloutSettings]):
 
     async def _handle_prompt(self, d: Delivery[Prompt], prompt_span: Any) -> None:
         # over a limit or naming no loadable task: a dead letter, before any allocation
-        why, task = check_prompt(d.message, self.settings.limits), None
-        if why is None:
-            try:
-                task = plugins.task(d.message.task)
-            except plugins.PluginError as exc:
-                why = str(exc)
-        if task is None:
-            await self._dead_letter(d, why or "no task")
+        task = check_prompt(d.message, self.settings.limits) or _load_task(d.message.task)
+        if isinstance(task, Refusal):
+            await self._dead_letter(d, task)
         else:
             await self._roll_out(d, task, prompt_span)
 
@@ -223,7 +228,7 @@ class Rollout(Service[RolloutSettings]):
                 if self.stopping:
                     raise  # unacked: the next owner of the partition rolls it out
         await self._publish_failed_group(prompt, error[:500])
-        await self._dead_letter(d, error[:500])
+        await self._dead_letter(d, Refusal(RefusalReason.GROUP_GIVEN_UP, error[:500]))
 
     async def _publish_failed_group(self, prompt: Prompt, error: str) -> None:
         """Every episode of a group given up, as failed and empty: the learner keeps the
@@ -261,10 +266,10 @@ class Rollout(Service[RolloutSettings]):
             await self.producer.send(self.topics.trajectories, stub, key=t.group_id)
             return stub
 
-    async def _dead_letter(self, d: Delivery[Prompt], error: str) -> None:
-        log.warning("prompt %s dead-lettered: %s", d.message.group_id, error)
+    async def _dead_letter(self, d: Delivery[Prompt], refusal: Refusal) -> None:
+        log.warning("prompt %s dead-lettered: %s", d.message.group_id, refusal)
         self.bump("dead_letters")
-        await self.prompts.reject(d, error)
+        await self.prompts.reject(d, refusal)
 
     # -- episodes
 

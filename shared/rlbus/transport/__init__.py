@@ -7,18 +7,16 @@ Service code imports from here and sees only :class:`Bus`, :class:`Producer` and
 :class:`Consumer`.
 """
 
-from rlbus.transport.deadletter import DeadLetterSink, failure_reason
+from rlbus.errors import BrokerConnectError, BrokerTimeout, MessageTooLargeError
+from rlbus.transport.deadletter import DeadLetterSink, failure_reason, refusal_for
 from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FRAMING_BYTES,
     AssignCallback,
-    BrokerConnectError,
-    BrokerTimeout,
     Bus,
     Consumer,
     Delivery,
     Headers,
-    MessageTooLargeError,
     Outcome,
     Producer,
     RawRecord,
@@ -51,5 +49,6 @@ __all__ = [
     "admin_client",
     "client_options",
     "failure_reason",
+    "refusal_for",
     "with_timeout",
 ]

@@ -5,12 +5,16 @@ that would make the letter larger than ``max_message_bytes`` is left out (the le
 so, and still names topic, partition and offset). Otherwise the record at the largest size
 the topic accepts, or a reason quoting a huge string, could not be dead-lettered, and the
 record would hold back its partition's commits for good.
+
+Every letter carries its refusal's reason code (:class:`rlbus.errors.RefusalReason`) in the
+``reason`` field and the ``rlbus.reason`` header, next to the text in ``error``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlbus.errors import Refusal, reason_of
 from rlbus.messages import DeadLetter
 
 if TYPE_CHECKING:  # only types: interfaces imports this module
@@ -27,6 +31,13 @@ def failure_reason(exc: BaseException) -> str:
     return bounded(f"{type(exc).__name__}: {exc}")
 
 
+def refusal_for(exc: BaseException) -> Refusal:
+    """The refusal of a delivery whose handling raised ``exc``: the reason a
+    :class:`rlbus.errors.RefusedError` carries (else ``handling_failed``), and
+    :func:`failure_reason`'s text."""
+    return Refusal(reason_of(exc), failure_reason(exc))
+
+
 def bounded(error: str) -> str:
     if len(error) <= MAX_ERROR_CHARS:
         return error
@@ -41,8 +52,8 @@ class DeadLetterSink:
         self.topic = topic
         self.service = service
 
-    async def put(self, raw: RawRecord, error: str) -> None:
-        error = bounded(error)
+    async def put(self, raw: RawRecord, refusal: Refusal) -> None:
+        error = bounded(refusal.detail)
         payload = raw.value
         room = (self.producer.max_message_bytes - LETTER_OVERHEAD_BYTES
                 - len(error.encode()) - len(raw.key or b"") - len(raw.topic))
@@ -58,12 +69,14 @@ class DeadLetterSink:
             service=self.service,
             key=raw.key,
             payload=payload,
+            reason=refusal.reason,
         )
         headers = {
             "rlbus.source.topic": raw.topic.encode(),
             "rlbus.source.partition": str(raw.partition).encode(),
             "rlbus.source.offset": str(raw.offset).encode(),
             "rlbus.error": error.encode()[:1000],
+            "rlbus.reason": refusal.reason.encode(),
             "rlbus.service": self.service.encode(),
         }
         await self.producer.send(self.topic, letter, key=raw.topic, headers=headers)

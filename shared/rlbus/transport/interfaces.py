@@ -13,6 +13,7 @@ Delivery contract of this layer:
   (:mod:`rlbus.transport.deadletter`), acked, and never reaches the handler.
 * A delivery whose handling raises, inside :meth:`Consumer.handling`, is dead-lettered with
   the exception's type and message and acked: the offset moves on and the service goes on.
+* Every dead letter carries a :class:`rlbus.errors.Refusal`: its reason code and its text.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from opentelemetry.trace import Span
 from pydantic import BaseModel
 
 from rlbus import telemetry
-from rlbus.codec import DecodeError, decode, encode
+from rlbus.codec import decode, encode
+from rlbus.errors import BrokerTimeout, DecodeError, MessageTooLargeError, Refusal
 from rlbus.limits import Limits
 from rlbus.settings import TopicSettings
-from rlbus.transport.deadletter import DeadLetterSink, failure_reason
+from rlbus.transport.deadletter import DeadLetterSink, failure_reason, refusal_for
 from rlbus.transport.offsets import TP, OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -49,18 +51,6 @@ FRAMING_BYTES = 64 * 1024
 """Room above ``max_message_bytes`` for what Kafka counts with the value against a topic's
 ``max.message.bytes``: key, headers, record and batch framing. Topics, producer requests and
 consumer fetches are all sized ``max_message_bytes + FRAMING_BYTES``."""
-
-
-class BrokerTimeout(TimeoutError):
-    """A broker call did not finish within ``KafkaSettings.request_timeout_s``."""
-
-
-class MessageTooLargeError(ValueError):
-    """An encoded message is larger than the topics accept (``max_message_bytes``)."""
-
-
-class BrokerConnectError(ConnectionError):
-    """The first connection to the cluster failed; the message says why, if it can tell."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +94,13 @@ class Delivery(Generic[M]):
 class Outcome:
     """How the handling of one delivery ended (:meth:`Consumer.handling`)."""
 
-    error: str | None = None
+    refusal: Refusal | None = None
     """Why it was dead-lettered; None while it was not."""
+
+    @property
+    def error(self) -> str | None:
+        """The refusal's text; None while it was not dead-lettered."""
+        return None if self.refusal is None else self.refusal.detail
 
 
 @dataclass(frozen=True)
@@ -269,7 +264,7 @@ class Consumer(ABC, Generic[M]):
         except DecodeError as exc:
             log.warning("dead letter %s[%d]@%d: %s", raw.topic, raw.partition, raw.offset, exc)
             if self.dlq is not None:
-                await self.dlq.put(raw, str(exc))
+                await self.dlq.put(raw, exc.refusal)
             self.tracker.ack(raw.topic, raw.partition, raw.offset)
             return None
         return Delivery(
@@ -297,17 +292,18 @@ class Consumer(ABC, Generic[M]):
                 out[tp] = max(0, end - self.tracker.position(tp, end))
         return out
 
-    async def reject(self, delivery: Delivery[M], error: str, *, ack: bool = True) -> None:
+    async def reject(self, delivery: Delivery[M], refusal: Refusal, *, ack: bool = True
+                     ) -> None:
         """A decoded message this service refuses (over a limit, unknown task): to the
-        dead-letter topic with ``error``, then acked, so the offset moves on and no member
+        dead-letter topic with ``refusal``, then acked, so the offset moves on and no member
         reads it again. ``ack=False``: the caller acks it once what it does instead is
         durable (the learner, once the group of a stand-in for it is trained)."""
-        log.warning("dead letter %s[%d]@%d: %s", delivery.topic, delivery.partition,
-                    delivery.offset, error)
+        log.warning("dead letter %s[%d]@%d: %s: %s", delivery.topic, delivery.partition,
+                    delivery.offset, refusal.reason, refusal.detail)
         if self.dlq is not None:
             raw = RawRecord(delivery.topic, delivery.partition, delivery.offset, delivery.key,
                             _payload(delivery.message), delivery.headers, delivery.timestamp_ms)
-            await self.dlq.put(raw, error)
+            await self.dlq.put(raw, refusal)
         if ack:
             self.ack(delivery)
 
@@ -317,8 +313,9 @@ class Consumer(ABC, Generic[M]):
                        ack: bool = True) -> AsyncIterator[Outcome]:
         """The one boundary around the work on one delivery, in whichever task does it: an
         exception raised inside dead-letters the delivery with the exception's type and
-        message (also left in the yielded :class:`Outcome`) and acks it, so the offset moves
-        on and the service goes on. Work that finishes normally acks as it always does.
+        message and the reason a :class:`rlbus.errors.RefusedError` carries (else
+        ``handling_failed``), also left in the yielded :class:`Outcome`, and acks it, so the
+        offset moves on and the service goes on. Work that finishes normally acks as it always does.
         While ``hand_back()`` is true (a service draining) the exception propagates instead
         and the delivery stays unacked: the next owner of the partition handles it again.
         Cancellation always propagates. If the dead letter cannot be written (the broker is
@@ -332,8 +329,8 @@ class Consumer(ABC, Generic[M]):
                 raise
             log.error("handling %s[%d]@%d failed", delivery.topic, delivery.partition,
                       delivery.offset, exc_info=exc)
-            outcome.error = failure_reason(exc)
-            await self.reject(delivery, outcome.error, ack=ack)
+            outcome.refusal = refusal_for(exc)
+            await self.reject(delivery, outcome.refusal, ack=ack)
 
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)

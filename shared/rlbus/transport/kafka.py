@@ -19,6 +19,7 @@ from aiokafka.errors import CommitFailedError, KafkaConnectionError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
+from rlbus.errors import BrokerConnectError, BrokerTimeout
 from rlbus.settings import KafkaSettings
 from rlbus.transport.deadletter import DeadLetterSink
 from rlbus.transport.diagnostics import explain_connect_failure
@@ -26,8 +27,6 @@ from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FRAMING_BYTES,
     AssignCallback,
-    BrokerConnectError,
-    BrokerTimeout,
     Bus,
     Consumer,
     Headers,

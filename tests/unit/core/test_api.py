@@ -117,6 +117,7 @@ async def test_prompts_naming_unknown_or_broken_tasks_are_dead_lettered(tmp_path
     letters = [decode(r.value, DeadLetter) for r in broker.logs[T.dlq][0]]
     assert len(letters) == 2
     assert "no task named 'no_such_task'" in letters[0].error
+    assert {letter.reason for letter in letters} == {"unknown_plugin"}
     assert "importing 'half_written'" in letters[1].error
     assert "SyntaxError" in letters[1].error
     assert broker.groups["ext.rollout"].committed[(T.prompts, 0)] == 3  # nothing left behind

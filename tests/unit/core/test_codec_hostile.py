@@ -19,6 +19,7 @@ import msgpack
 import pytest
 
 from rlbus.codec import DecodeError, decode, encode, shape_error
+from rlbus.errors import Refusal
 from rlbus.limits import Limits, check_prompt, check_scored, check_step, check_trajectory
 from rlbus.messages import Message, Prompt, Sampling, ScoredTrajectory, StepRequest, Trajectory
 from tests import factories
@@ -182,7 +183,7 @@ TIERS = {  # tier: (what it consumes, a valid one, its check after decoding)
 CASES = 60
 
 
-def _decode_and_check(data: bytes, cls: type[Message], check: Callable[..., str | None]
+def _decode_and_check(data: bytes, cls: type[Message], check: Callable[..., Refusal | None]
                       ) -> tuple[str, int]:
     """What the tier's consumer does with ``data``; returns (outcome, peak bytes decoding)."""
     tracemalloc.start()

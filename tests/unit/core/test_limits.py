@@ -9,6 +9,7 @@ import resource
 import pytest
 
 from rlbus.codec import decode
+from rlbus.errors import Refusal, RefusalReason
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
 from rlbus.limits import Limits, check_prompt, check_step, check_trajectory
@@ -42,19 +43,28 @@ def _prompt(group: str, **update) -> Prompt:
         update=update)
 
 
+def _over(refusal: Refusal | None) -> str:
+    """The text of an over-the-limit refusal."""
+    assert refusal is not None and refusal.reason is RefusalReason.OVER_LIMIT, refusal
+    return refusal.detail
+
+
 def test_each_limit_names_its_setting():
     limits = Limits()
-    assert "RLBUS_LIMITS__MAX_GROUP_SIZE" in check_prompt(_prompt("a", group_size=10**9), limits)
+    assert "RLBUS_LIMITS__MAX_GROUP_SIZE" in _over(check_prompt(_prompt("a", group_size=10**9),
+                                                                limits))
     big = _prompt("a", sampling=Sampling(max_new_tokens=10**7))
-    assert "RLBUS_LIMITS__MAX_NEW_TOKENS" in check_prompt(big, limits)
+    assert "RLBUS_LIMITS__MAX_NEW_TOKENS" in _over(check_prompt(big, limits))
     huge_spec = _prompt("a", spec={"blob": "x" * 300_000})
-    assert "RLBUS_LIMITS__MAX_SPEC_BYTES" in check_prompt(huge_spec, limits)
+    assert "RLBUS_LIMITS__MAX_SPEC_BYTES" in _over(check_prompt(huge_spec, limits))
     assert check_prompt(_prompt("a"), limits) is None
     step = StepRequest(request_id="e/t0", episode_id="e", turn=0, input_ids=[1] * 200_000,
                        reply_partition=0)
-    assert "RLBUS_LIMITS__MAX_INPUT_TOKENS" in check_step(step, limits)
+    assert "RLBUS_LIMITS__MAX_INPUT_TOKENS" in _over(check_step(step, limits))
     t = factories.trajectory("g").model_copy(update={"index": 5, "group_size": 2})
-    assert "not below its group_size" in check_trajectory(t, limits)
+    invalid = check_trajectory(t, limits)
+    assert invalid is not None and invalid.reason is RefusalReason.INVALID
+    assert "not below its group_size" in invalid.detail
 
 
 @pytest.mark.slow
@@ -75,6 +85,7 @@ async def test_a_poison_prompt_is_dead_lettered_before_any_allocation(caplog):
     assert grown_mb < 200  # 10^9 episodes were never started
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "group_size 1000000000 is over the limit 256" in letter.error
+    assert letter.reason == RefusalReason.OVER_LIMIT
     assert letter.offset == 1 and decode(letter.payload, Prompt).group_id == "poison"
     assert {t.group_id for t in read_log(broker, T.trajectories, Trajectory)} == {"ok-1", "ok-2"}
     assert broker.groups["lim.rollout"].committed[(T.prompts, 0)] == 3  # never read again
@@ -141,6 +152,7 @@ async def test_a_crashing_group_is_retried_then_dead_lettered_and_commits_advanc
                and broker.groups["lim.rollout"].committed.get((T.prompts, 0)) == 2)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "group failed on attempt 2: ConnectionError: broker went away" in letter.error
+    assert letter.reason == RefusalReason.GROUP_GIVEN_UP
     assert len(attempts) == 2 * 2  # two attempts of a group of two
     cursed = [t for t in read_log(broker, T.trajectories, Trajectory) if t.group_id == "cursed"]
     # given up, the group is published as failed: it completes, masked, at the learner

@@ -4,7 +4,7 @@ import msgpack
 import pytest
 
 from rlbus.codec import DecodeError, decode, encode, to_jsonable
-from rlbus.messages import StepResult, Trajectory, Turn
+from rlbus.messages import DeadLetter, StepResult, Trajectory, Turn
 from tests import factories
 
 
@@ -26,6 +26,16 @@ def test_unknown_fields_are_ignored_for_additive_evolution():
     raw = msgpack.unpackb(encode(factories.weight_version()))
     raw["added_in_a_later_version"] = {"x": 1}
     assert decode(msgpack.packb(raw), type(factories.weight_version())).version == 1
+
+
+def test_a_dead_letter_carries_its_reason_code_as_a_plain_string():
+    letter = factories.dead_letter().model_copy(update={"reason": "over_limit"})
+    assert msgpack.unpackb(encode(letter))["reason"] == "over_limit"
+    older = msgpack.unpackb(encode(letter))
+    del older["reason"]  # a writer older than the field
+    assert decode(msgpack.packb(older), DeadLetter).reason == ""
+    newer = msgpack.unpackb(encode(letter)) | {"reason": "a_reason_added_later"}
+    assert decode(msgpack.packb(newer), DeadLetter).reason == "a_reason_added_later"
 
 
 def test_unknown_schema_version_is_refused():

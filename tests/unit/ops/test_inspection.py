@@ -69,6 +69,17 @@ def dead_letter_row(payload: bytes, key: bytes | None = b"long/1", source: str =
     return json.loads(json.dumps(row))["message"]
 
 
+def test_a_dead_letter_shows_its_reason_code_next_to_its_text():
+    letter = DeadLetter(source_topic="r.prompts", partition=0, offset=3, error="too long",
+                        service="rollout-0", reason="over_limit")  # fmt: skip
+    d = one(encode(letter), DeadLetter)
+    row = json.loads(json.dumps(inspection.as_json(*d, topics=TOPICS)))["message"]
+    assert (row["reason"], row["error"]) == ("over_limit", "too long")
+    text: list[str] = []
+    inspection.render_episode(inspection.EpisodeRecords("long/1", [d]), text.append)
+    assert "by rollout-0 [over_limit]: too long" in "".join(text)
+
+
 def test_a_dead_lettered_prompt_shows_its_text_key_and_the_prompt():
     prompt = factories.prompt("long/1")
     row = dead_letter_row(encode(prompt))

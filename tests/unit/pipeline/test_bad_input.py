@@ -160,6 +160,7 @@ async def test_invalid_trajectory_and_nan_reward_become_dead_letters(caplog):
     await run_until([reward], lambda: len(read_log(broker, T.scored, ScoredTrajectory)) == 1)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert "1 logprobs for 2 completion tokens" in letter.error
+    assert letter.reason == "invalid"  # msgpack, but not a valid Trajectory
     assert letter.source_topic == T.trajectories and letter.offset == 0
     assert "dead letter" in caplog.text
 

@@ -73,6 +73,7 @@ async def test_rollout_dead_letters_a_prompt_whose_group_raises_and_commits_past
                     lambda: _committed(broker, "hb.rollout", T.prompts) == 3)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
     assert letter.error == "KeyError: \"a bug in the group's bookkeeping\""
+    assert letter.reason == "handling_failed"
     assert letter.offset == 1 and letter.source_topic == T.prompts
     assert {t.group_id for t in read_log(broker, T.trajectories, Trajectory)} == {
         "before", "after"}
@@ -96,7 +97,7 @@ async def test_rollout_dead_letters_a_prompt_nested_too_deep_for_json():
     await run_until([rollout, inference],
                     lambda: _committed(broker, "hb.rollout", T.prompts) == 2)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
-    assert "RLBUS_LIMITS__MAX_DEPTH" in letter.error
+    assert "RLBUS_LIMITS__MAX_DEPTH" in letter.error and letter.reason == "over_limit"
     assert {t.group_id for t in read_log(broker, T.trajectories, Trajectory)} == {"after"}
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from rlbus.api import Generation
 from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling
-from rlbus.rollout.gateway import Gateway, parse_tool_calls
+from rlbus.rollout.gateway import Gateway, GatewayCode, GatewayError, parse_tool_calls
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.slow
@@ -222,3 +222,10 @@ async def test_concurrent_sessions_are_independent(gateway, tokenizer):
     assert all(len(t) == 1 for _, t in results)
     assert not gateway.sessions  # every session closed
 
+
+
+def test_an_error_answer_says_with_its_code_whether_to_try_again():
+    busy = GatewayError(409, "one at a time", code=GatewayCode.CONCURRENT_CALL)
+    diverged = GatewayError(400, "context diverged", code=GatewayCode.CONTEXT_DIVERGED)
+    assert busy.retriable and not diverged.retriable and not GatewayError(400, "x").retriable
+    assert json.loads(json.dumps(busy.body()))["error"]["code"] == "concurrent_call"

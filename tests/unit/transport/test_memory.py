@@ -54,6 +54,8 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_are_acked():
     (letter,) = await letters.poll(0.1)
     assert letter.message.source_topic == "p" and letter.message.offset == 0
     assert letter.headers["rlbus.source.offset"] == b"0"
+    assert letter.message.reason == "undecodable" and letter.headers["rlbus.reason"] == (
+        b"undecodable")
     assert letter.message.payload == b"\xc1not msgpack"
 
 

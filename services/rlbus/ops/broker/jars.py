@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlbus.errors import FatalError
 from rlbus.processes import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ INSTALL_HINT = (
 
 
 
-class BrokerError(RuntimeError):
+class BrokerError(FatalError, RuntimeError):
     """The local Kafka broker could not be provisioned, started, stopped or reached."""
 
 
