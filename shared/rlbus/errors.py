@@ -148,3 +148,25 @@ class TopicMismatchError(FatalError, RuntimeError):
 
 class TopicCreationError(FatalError, RuntimeError):
     """The broker refused to create a topic (e.g. replication above the broker count)."""
+
+
+MAX_ERROR_CHARS = 2000
+"""Longest reason a dead letter carries (a reason may quote hostile input)."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The reason a dead letter gives for an exception: its type and message."""
+    return bounded(f"{type(exc).__name__}: {exc}")
+
+
+def refusal_for(exc: BaseException) -> Refusal:
+    """The refusal of a delivery whose handling raised ``exc``: the reason a
+    :class:`rlbus.errors.RefusedError` carries (else ``handling_failed``), and
+    :func:`failure_reason`'s text."""
+    return Refusal(reason_of(exc), failure_reason(exc))
+
+
+def bounded(error: str) -> str:
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    return f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from safetensors.torch import save_model
 from torch import nn
 
+from rlbus.errors import FatalError
 from rlbus.messages import MASK_CAUSES
 from rlbus.weights import WEIGHTS_FILE, sha256_file
 
@@ -55,7 +56,7 @@ CHECKPOINT_FORMAT: Final = 2
 """The format this learner writes; it reads this one and format 1."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FatalError, ValueError):
     """A checkpoint file this learner cannot resume from: unreadable, of an unknown format,
     or not of the format's shape. The message names the file."""
 

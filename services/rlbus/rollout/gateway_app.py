@@ -9,17 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from rlbus.rollout.gateway import ChatRequest, GatewayCode, GatewayError, Session
-
-if TYPE_CHECKING:
-    from rlbus.rollout.gateway import Gateway
+from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -35,7 +33,8 @@ def _validation(exc: ValidationError | RequestValidationError) -> GatewayError:
     return GatewayError(400, f"invalid {loc or 'request'}: {err.get('msg')}", param=loc or None)
 
 
-def make_app(gateway: Gateway) -> FastAPI:
+def make_app(model: str, sessions: Mapping[str, Session]) -> FastAPI:
+    """The routes of a gateway serving ``model`` to the open ``sessions`` (by id)."""
     app = FastAPI(title="rlbus gateway", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(GatewayError)
@@ -63,17 +62,17 @@ def make_app(gateway: Gateway) -> FastAPI:
 
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": gateway.model, "object": "model", "created": 0, "owned_by": "rlbus"}]}
+            {"id": model, "object": "model", "created": 0, "owned_by": "rlbus"}]}
 
     app.get("/v1/models")(models)
     app.get("/s/{session_id}/v1/models")(models)
 
     async def chat(request: Request, session_id: str | None = None) -> JSONResponse:
-        session = _session(gateway, request, session_id)
+        session = _session(sessions, request, session_id)
         req = await _parse(request)
-        if req.model != gateway.model:
+        if req.model != model:
             raise GatewayError(404, f"the model {req.model!r} does not exist; this gateway "
-                                    f"serves {gateway.model!r}", code=GatewayCode.MODEL_NOT_FOUND,
+                                    f"serves {model!r}", code=GatewayCode.MODEL_NOT_FOUND,
                                param="model")
         if req.n not in (None, 1):
             raise GatewayError(400, "n must be 1: each completion is one turn of one episode",
@@ -88,10 +87,11 @@ def make_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def _session(gateway: Gateway, request: Request, session_id: str | None) -> Session:
+def _session(sessions: Mapping[str, Session], request: Request,
+             session_id: str | None) -> Session:
     key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     sid = session_id or key
-    session = gateway.sessions.get(sid)
+    session = sessions.get(sid)
     if session is None:
         raise GatewayError(401, "no open episode has this session id (the path or the API "
                                 "key); it may have ended", code=GatewayCode.INVALID_API_KEY,

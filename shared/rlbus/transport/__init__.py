@@ -7,8 +7,14 @@ Service code imports from here and sees only :class:`Bus`, :class:`Producer` and
 :class:`Consumer`.
 """
 
-from rlbus.errors import BrokerConnectError, BrokerTimeout, MessageTooLargeError
-from rlbus.transport.deadletter import DeadLetterSink, failure_reason, refusal_for
+from rlbus.errors import (
+    BrokerConnectError,
+    BrokerTimeout,
+    MessageTooLargeError,
+    failure_reason,
+    refusal_for,
+)
+from rlbus.transport.deadletter import DeadLetterSink
 from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
     FRAMING_BYTES,

@@ -1,10 +1,10 @@
 """The dead-letter sink: undecodable or unprocessable records, kept for operators.
 
-A dead letter always fits its topic: the reason is cut to ``MAX_ERROR_CHARS`` and a payload
-that would make the letter larger than ``max_message_bytes`` is left out (the letter says
-so, and still names topic, partition and offset). Otherwise the record at the largest size
-the topic accepts, or a reason quoting a huge string, could not be dead-lettered, and the
-record would hold back its partition's commits for good.
+A dead letter always fits its topic: the reason is cut to ``rlbus.errors.MAX_ERROR_CHARS``
+and a payload that would make the letter larger than ``max_message_bytes`` is left out (the
+letter says so, and still names topic, partition and offset). Otherwise the record at the
+largest size the topic accepts, or a reason quoting a huge string, could not be
+dead-lettered, and the record would hold back its partition's commits for good.
 
 Every letter carries its refusal's reason code (:class:`rlbus.errors.RefusalReason`) in the
 ``reason`` field and the ``rlbus.reason`` header, next to the text in ``error``.
@@ -12,36 +12,12 @@ Every letter carries its refusal's reason code (:class:`rlbus.errors.RefusalReas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from rlbus.errors import Refusal, reason_of
+from rlbus.errors import Refusal, bounded
 from rlbus.messages import DeadLetter
+from rlbus.transport.interfaces import Bus, Producer, RawRecord
 
-if TYPE_CHECKING:  # only types: interfaces imports this module
-    from rlbus.transport.interfaces import Producer, RawRecord
-
-MAX_ERROR_CHARS = 2000
-"""Longest reason a dead letter carries (a reason may quote hostile input)."""
 LETTER_OVERHEAD_BYTES = 1024
 """Room kept for a letter's own fields (names, offsets, msgpack framing)."""
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The reason a dead letter gives for an exception: its type and message."""
-    return bounded(f"{type(exc).__name__}: {exc}")
-
-
-def refusal_for(exc: BaseException) -> Refusal:
-    """The refusal of a delivery whose handling raised ``exc``: the reason a
-    :class:`rlbus.errors.RefusedError` carries (else ``handling_failed``), and
-    :func:`failure_reason`'s text."""
-    return Refusal(reason_of(exc), failure_reason(exc))
-
-
-def bounded(error: str) -> str:
-    if len(error) <= MAX_ERROR_CHARS:
-        return error
-    return f"{error[:MAX_ERROR_CHARS]}... ({len(error) - MAX_ERROR_CHARS} more characters)"
 
 
 class DeadLetterSink:
@@ -80,3 +56,10 @@ class DeadLetterSink:
             "rlbus.service": self.service.encode(),
         }
         await self.producer.send(self.topic, letter, key=raw.topic, headers=headers)
+
+
+async def sink_of(bus: Bus) -> DeadLetterSink | None:
+    """The sink of ``bus``'s dead-letter topic, on its producer; None if it has none."""
+    if bus.dlq_topic is None:
+        return None
+    return DeadLetterSink(await bus.producer(), bus.dlq_topic, bus.service)

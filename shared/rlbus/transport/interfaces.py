@@ -24,17 +24,23 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from opentelemetry.trace import Span
 from pydantic import BaseModel
 
 from rlbus import telemetry
 from rlbus.codec import decode, encode
-from rlbus.errors import BrokerTimeout, DecodeError, MessageTooLargeError, Refusal
+from rlbus.errors import (
+    BrokerTimeout,
+    DecodeError,
+    MessageTooLargeError,
+    Refusal,
+    failure_reason,
+    refusal_for,
+)
 from rlbus.limits import Limits
 from rlbus.settings import TopicSettings
-from rlbus.transport.deadletter import DeadLetterSink, failure_reason, refusal_for
 from rlbus.transport.offsets import TP, OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -127,6 +133,13 @@ async def with_timeout(aw: Awaitable[Any], seconds: float, what: str) -> Any:
         raise BrokerTimeout(f"{what} got no answer from the broker within {seconds:.0f}s") from exc
 
 
+class DeadLetters(Protocol):
+    """Where a consumer sends what it refuses (:class:`rlbus.transport.deadletter.DeadLetterSink`
+    on the dead-letter topic; the concrete buses make one)."""
+
+    async def put(self, raw: RawRecord, refusal: Refusal) -> None: ...
+
+
 class Producer(ABC):
     """Publishes typed messages; ``send`` returns once the broker has the record.
 
@@ -194,7 +207,7 @@ class Producer(ABC):
 class Consumer(ABC, Generic[M]):
     """Reads one message type from one or more topics, with ack-based commits."""
 
-    def __init__(self, message_type: type[M], dlq: DeadLetterSink | None) -> None:
+    def __init__(self, message_type: type[M], dlq: DeadLetters | None) -> None:
         self.message_type = message_type
         self.dlq = dlq
         self.closed = False
@@ -395,11 +408,6 @@ class Bus(ABC):
     @abstractmethod
     async def partitions(self, topic: str) -> list[int]:
         """The partition ids of ``topic``; raises LookupError if it does not exist."""
-
-    async def dead_letter_sink(self) -> DeadLetterSink | None:
-        if self.dlq_topic is None:
-            return None
-        return DeadLetterSink(await self.producer(), self.dlq_topic, self.service)
 
     async def close(self) -> None:
         return None

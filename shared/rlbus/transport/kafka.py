@@ -21,7 +21,7 @@ from aiokafka.structs import TopicPartition
 
 from rlbus.errors import BrokerConnectError, BrokerTimeout
 from rlbus.settings import KafkaSettings
-from rlbus.transport.deadletter import DeadLetterSink
+from rlbus.transport.deadletter import sink_of
 from rlbus.transport.diagnostics import explain_connect_failure
 from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -29,6 +29,7 @@ from rlbus.transport.interfaces import (
     AssignCallback,
     Bus,
     Consumer,
+    DeadLetters,
     Headers,
     M,
     Producer,
@@ -161,7 +162,7 @@ async def _stop_client(stop: Awaitable[None], timeout_s: float, what: str) -> No
 
 class KafkaConsumer(Consumer[M]):
     def __init__(
-        self, consumer: Any, message_type: type[M], dlq: DeadLetterSink | None, timeout_s: float
+        self, consumer: Any, message_type: type[M], dlq: DeadLetters | None, timeout_s: float
     ) -> None:
         super().__init__(message_type, dlq)
         self._c = consumer
@@ -314,7 +315,7 @@ class KafkaBus(Bus):
         )
         # made before the client starts: the group may assign partitions while it starts
         consumer = KafkaConsumer(
-            c, message_type, await self.dead_letter_sink(), self.kafka.request_timeout_s
+            c, message_type, await sink_of(self), self.kafka.request_timeout_s
         )
         consumer.service, consumer.group = self.service, group_id
         consumer.limits = self.limits

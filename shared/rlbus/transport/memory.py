@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlbus.transport.deadletter import DeadLetterSink
+from rlbus.transport.deadletter import sink_of
 from rlbus.transport.interfaces import (
     DEFAULT_MAX_MESSAGE_BYTES,
     AssignCallback,
     Bus,
     Consumer,
+    DeadLetters,
     Headers,
     M,
     Producer,
@@ -145,7 +146,7 @@ class MemoryConsumer(Consumer[M]):
         broker: MemoryBroker,
         topics: list[str],
         message_type: type[M],
-        dlq: DeadLetterSink | None,
+        dlq: DeadLetters | None,
         group_id: str | None,
         from_end: bool,
         on_assign: AssignCallback | None,
@@ -269,7 +270,7 @@ class MemoryBus(Bus):
             self.broker,
             topics,
             message_type,
-            await self.dead_letter_sink(),
+            await sink_of(self),
             group_id,
             from_end,
             on_assign,

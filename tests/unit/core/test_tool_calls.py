@@ -1,7 +1,7 @@
 """The one ``<tool_call>`` reader, as the default agent and the gateway both use it."""
 
 from rlbus.agent import parse_tool_call
-from rlbus.rollout.gateway import parse_tool_calls
+from rlbus.rollout.sessions import parse_tool_calls
 from rlbus.tool_calls import CALL_SHAPE, find_tool_calls, without_calls
 
 

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from rlbus.api import Generation
 from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling
-from rlbus.rollout.gateway import Gateway, GatewayCode, GatewayError, parse_tool_calls
+from rlbus.rollout.gateway import Gateway
+from rlbus.rollout.sessions import GatewayCode, GatewayError, parse_tool_calls
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,228 @@
+"""A gateway session: one episode's chat with the policy, in exact tokens.
+
+Exact tokens. The first call is rendered with the model's chat template
+(``apply_chat_template``). From then on the context is the ids recorded so far (prompts and
+the sampled ids as they were sampled, never re-tokenised) plus the rendering of only the
+messages the agent added since the last reply: the text the template puts after that
+reply's end-of-turn token. Before appending, the session checks that the template renders
+the whole history to exactly the text of the recorded ids (byte-level decoding is
+lossless); if it does not (a template that drops earlier ``<think>`` blocks, history the
+agent edited, a tool call the template re-formats, tools that changed), the rule is: the
+call is refused with a 400 that says where the texts part, and the episode fails with that
+reason (published as failed, masked by the learner). Nothing is trained on a context the
+model did not see.
+
+Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the
+completion (the Hermes/Qwen convention, read by :mod:`rlbus.tool_calls` as the default agent
+reads it) are returned as OpenAI ``tool_calls``; a malformed block stays in the content as
+text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, NoReturn
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlbus.api import Generation, Policy
+from rlbus.errors import RlbusError
+from rlbus.messages import Sampling, Turn
+from rlbus.tool_calls import find_tool_calls, without_calls
+
+log = logging.getLogger(__name__)
+
+
+class GatewayCode(StrEnum):
+    """Why the gateway refused a call: the ``code`` of its OpenAI-style error answer."""
+
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_API_KEY = "invalid_api_key"
+    REQUEST_TOO_LARGE = "request_too_large"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CONTEXT_DIVERGED = "context_diverged"
+    """The history no longer renders to the tokens the model saw: the episode fails."""
+    SESSION_FAILED = "session_failed"
+    CONCURRENT_CALL = "concurrent_call"
+    """Another call of the session is running: the only code worth retrying."""
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+ErrorKind = Literal["invalid_request_error", "authentication_error", "server_error"]
+
+
+class GatewayError(RlbusError):
+    """An OpenAI-style error answer: HTTP status, message, type, code, param. A call
+    without a ``code`` is malformed in a way OpenAI gives no code for either (bad JSON, an
+    invalid field)."""
+
+    def __init__(self, status: int, message: str, *, code: GatewayCode | None = None,
+                 param: str | None = None, kind: ErrorKind = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = (
+            status, message, code, param, kind)
+        self.retriable = code is GatewayCode.CONCURRENT_CALL
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class ChatRequest(BaseModel):
+    """The accepted subset of OpenAI's chat completion request; any other field is a 400
+    naming it (silently ignoring a parameter would train on something else than asked)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int | None = None
+    stream: bool | None = None
+    user: str | None = None
+    seed: int | None = None
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass
+class Session:
+    """One episode's conversation: the ids the model has seen and the turns recorded."""
+
+    id: str
+    policy: Policy
+    tokenizer: Any  # a transformers tokenizer with a chat template
+    sampling: Sampling
+    max_context_tokens: int
+    turns: list[Turn] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    tools: str = ""
+    failed: str | None = None
+    busy: bool = False
+
+    @property
+    def eos_text(self) -> str:
+        return str(self.tokenizer.eos_token)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               generation_prompt: bool) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
+        except Exception as exc:  # the template rejects the conversation (jinja raise)
+            raise GatewayError(400, f"the chat template cannot render these messages: "
+                                    f"{type(exc).__name__}: {exc}", param="messages") from exc
+        return str(text)
+
+    def context(self, req: ChatRequest) -> tuple[list[int], list[int]]:
+        """(full context, ids new this turn) for ``req``; raises on divergence."""
+        tools = json.dumps(req.tools, sort_keys=True) if req.tools else ""
+        full = self.render(req.messages, req.tools, generation_prompt=True)
+        if not self.ids:
+            self.tools = tools
+            new = self.tokenizer.encode(full, add_special_tokens=False)
+            return new, new
+        if tools != self.tools:
+            self.diverge("the tools differ from the session's first call")
+        last = max((i for i, m in enumerate(req.messages) if m.get("role") == "assistant"),
+                   default=None)
+        if last is None:
+            self.diverge("the messages do not contain the session's last reply")
+        base = self.render(req.messages[: last + 1], req.tools, generation_prompt=False)
+        if not full.startswith(base):
+            self.diverge("the template renders the history differently once more messages "
+                         "follow it")
+        end = base.rfind(self.eos_text)
+        if end < 0:
+            self.diverge("the rendered history has no end-of-turn token")
+        finished = self.ids[-1] == self.tokenizer.eos_token_id
+        cut = end + (len(self.eos_text) if finished else 0)
+        seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if seen != base[:cut]:
+            at = next((i for i, (a, b) in enumerate(zip(seen, base, strict=False)) if a != b),
+                      min(len(seen), cut))
+            self.diverge(f"the history renders to other text than the tokens the model saw, "
+                         f"from character {at}: saw {seen[at:at + 40]!r}, template gives "
+                         f"{base[at:at + 40]!r}")
+        new = self.tokenizer.encode(full[cut:], add_special_tokens=False)
+        return self.ids + new, new
+
+    def diverge(self, why: str) -> NoReturn:
+        self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
+        raise GatewayError(400, self.failed, code=GatewayCode.CONTEXT_DIVERGED, param="messages")
+
+    async def complete(self, req: ChatRequest) -> dict[str, Any]:
+        if self.failed:
+            raise GatewayError(400, f"this episode has failed: {self.failed}",
+                               code=GatewayCode.SESSION_FAILED)
+        if self.busy:
+            raise GatewayError(409, "a call of this session is still running: one at a time",
+                               code=GatewayCode.CONCURRENT_CALL)
+        self.busy = True
+        try:
+            return await self._complete(req)
+        finally:
+            self.busy = False
+
+    async def _complete(self, req: ChatRequest) -> dict[str, Any]:
+        context, new = self.context(req)
+        max_new = req.max_completion_tokens or req.max_tokens or self.sampling.max_new_tokens
+        if len(context) + max_new > self.max_context_tokens:
+            raise GatewayError(400, f"this model's context is {self.max_context_tokens} tokens; "
+                                    f"the messages take {len(context)} and {max_new} more "
+                                    "were asked for", code=GatewayCode.CONTEXT_LENGTH_EXCEEDED,
+                               param="messages")
+        sampling = Sampling(
+            temperature=self.sampling.temperature if req.temperature is None else req.temperature,
+            top_p=self.sampling.top_p if req.top_p is None else req.top_p,
+            max_new_tokens=max_new)
+        gen: Generation = await self.policy.generate(context, sampling)
+        # Special tokens stay in the text (but the final end-of-turn): the agent echoes the
+        # content back, and only then does the history render to the text of these ids.
+        ids = gen.completion_ids
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(text) if req.tools else (text, [])
+        self.turns.append(Turn(
+            input_ids=new, completion_ids=gen.completion_ids, logprobs=gen.logprobs,
+            policy_version=gen.policy_version, finish_reason=gen.finish_reason, action=text,
+        ))
+        self.ids = context + gen.completion_ids
+        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length"
+                                             else "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
+            "created": int(time.time()), "model": req.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": {"prompt_tokens": len(context), "completion_tokens":
+                      len(gen.completion_ids), "total_tokens":
+                      len(context) + len(gen.completion_ids)},
+        }
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content without the well-formed call blocks, OpenAI tool_calls); a malformed block
+    stays in the content as text (:mod:`rlbus.tool_calls`)."""
+    blocks = find_tool_calls(text)
+    calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+              "function": {"name": b.name, "arguments": json.dumps(b.arguments)}}
+             for b in blocks if b.ok]
+    # without calls the text is returned as sampled, to the byte: it comes back as history
+    return (without_calls(text, blocks).strip() if calls else text), calls
