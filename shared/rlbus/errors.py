@@ -108,6 +108,13 @@ class DecodeError(RefusedError, ValueError):
     reason = RefusalReason.UNDECODABLE
 
 
+class InvalidMessageError(RefusedError, ValueError):
+    """Valid on the wire, but its content cannot be worked on (a token id past the model's
+    vocabulary): refused as ``invalid``."""
+
+    reason = RefusalReason.INVALID
+
+
 class MessageTooLargeError(RefusedError, ValueError):
     """An encoded message is larger than the topics accept (``max_message_bytes``)."""
 

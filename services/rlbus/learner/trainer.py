@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
+from rlbus.errors import InvalidMessageError
 from rlbus.learner.distributed import World, shard
 from rlbus.learner.groups import Group
 from rlbus.learner.grpo import (
@@ -153,7 +154,7 @@ class Trainer:
         task's success metric would otherwise fail every step it lands in, at every restart."""
         why = check_token_ids(t, self.vocab_size)
         if why is not None:
-            raise ValueError(why)
+            raise InvalidMessageError(why.detail, reason=why.reason)
         episode_success(t)
 
     def step(self, groups: list[Group], version: int) -> StepStats:

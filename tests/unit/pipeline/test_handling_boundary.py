@@ -248,15 +248,17 @@ def _alien_token() -> ScoredTrajectory:
         "turns": [turn.model_copy(update={"completion_ids": [5, 10**6]})]})})
 
 
-@pytest.mark.parametrize(("bad", "reason"), [
+@pytest.mark.parametrize(("bad", "error", "reason"), [
     # valid on the wire, it failed the training step it landed in (an embedding lookup out
     # of range), again at every restart: a poison pill for the learner
-    (_alien_token, "ValueError: turn 0 completion_ids holds token id 1000000, outside the "
-                   "model's vocabulary of 121"),
+    (_alien_token, "InvalidMessageError: turn 0 completion_ids holds token id 1000000, "
+                   "outside the model's vocabulary of 121", "invalid"),
     # the step computes each episode's success: a spec that makes the task's code raise
-    (lambda: factories.scored("bad", 1), "KeyError: 'low'"),  # guess_number needs "low"
+    (lambda: factories.scored("bad", 1), "KeyError: 'low'",  # guess_number needs "low"
+     "handling_failed"),
 ], ids=["token-past-the-vocabulary", "spec-that-breaks-success"])
-async def test_learner_admits_each_episode_before_it_can_fail_a_step(bad, reason, tmp_path):
+async def test_learner_admits_each_episode_before_it_can_fail_a_step(bad, error, reason,
+                                                                     tmp_path):
     from rlbus.learner.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model")
@@ -271,7 +273,7 @@ async def test_learner_admits_each_episode_before_it_can_fail_a_step(bad, reason
     await run_until([learner], lambda: learner.step >= 3
                     and _committed(broker, "hb.learner", T.scored) == 6)
     (letter,) = read_log(broker, T.dlq, DeadLetter)
-    assert letter.offset == 3 and letter.error == reason
+    assert letter.offset == 3 and letter.error == error and letter.reason == reason
     # "bad" trained too, its dead-lettered member as a masked stand-in
     assert sorted(learner.ledger[-3:]) == [["bad/0", "bad/1"], ["run/0/0", "run/0/1"],
                                            ["run/1/0", "run/1/1"]]
