@@ -145,6 +145,35 @@ class SandboxError(RetriableError, RuntimeError):
     """The sandbox itself failed, not the program: the sample must not be scored."""
 
 
+class NoCreditError(RetriableError, RuntimeError):
+    """The trainer client's credit window is full: no more training groups until the
+    trainer publishes its next weight version (:mod:`rlbus.client`)."""
+
+
+class WeightsMismatchError(RefusedError, ValueError):
+    """Weights a trainer published do not have the names, shapes or dtypes the served
+    model has: nothing was written or announced."""
+
+    reason = RefusalReason.INVALID
+
+
+class NotServedError(RetriableError, TimeoutError):
+    """The inference members did not report serving a weight version in time; the
+    message names each live member and the version it serves."""
+
+
+class WeightsRefusedError(RefusedError, RuntimeError):
+    """An inference member refused to load a published weight version (its files did not
+    verify); the message names the member and why."""
+
+    reason = RefusalReason.INVALID
+
+
+class PositionError(FatalError, ValueError):
+    """A trainer's checkpointed position that this client cannot resume from (of another
+    format, or of another topic)."""
+
+
 class UnknownSettingError(FatalError, ValueError):
     """An RLBUS_* environment variable names no setting of any rlbus service."""
 

@@ -321,6 +321,32 @@ class WeightVersion(Message):
     (:data:`MASK_CAUSES`)."""
 
 
+class WeightsServed(Message):
+    """inference → trainers (:meth:`rlbus.client.RolloutClient.wait_served`). Which weights
+    one inference member serves now (compacted, keyed by member).
+
+    Each member sends one when it starts serving, after every load or refusal, every
+    ``every_s`` seconds in between (so a reader can tell a live member from one that
+    vanished) and, with ``leaving``, when it stops. ``version`` produced every token the
+    member generated since ``at``.
+    """
+
+    model: str
+    member: str
+    version: int = Field(ge=0)
+    """The weight version the member serves (0: the model folder it started from)."""
+    refused_version: int | None = Field(default=None, ge=0)
+    """The newest version it refused to load (its files did not verify), if any."""
+    refused_error: str | None = None
+    """Why it refused ``refused_version``."""
+    every_s: float = Field(gt=0, allow_inf_nan=False)
+    """How often the member reports while it runs."""
+    leaving: bool = False
+    """The member is stopping: it serves nothing from now on."""
+    at: float = Field(default_factory=time.time)
+    """When the member sent this (its clock)."""
+
+
 class DeadLetter(Message):
     """any service → operators. A message that could not be decoded or handled."""
 

@@ -21,6 +21,7 @@ from rlbus.messages import (
     StepRequest,
     StepResult,
     Trajectory,
+    WeightsServed,
     WeightVersion,
 )
 from rlbus.settings import KafkaSettings, TopicSettings
@@ -51,6 +52,7 @@ class Topics:
         self.trajectories = f"{p}.trajectories"
         self.scored = f"{p}.trajectories.scored"
         self.weights = f"{p}.weights"
+        self.served = f"{p}.weights.served"
         self.dlq = f"{p}.dlq"
 
     def catalogue(self) -> list[TopicSpec]:
@@ -69,6 +71,8 @@ class Topics:
             TopicSpec(self.trajectories, Trajectory, s.partitions, work),
             TopicSpec(self.scored, ScoredTrajectory, s.partitions, work),
             TopicSpec(self.weights, WeightVersion, 1, compacted),
+            # compacted by member, and deleted after the retention too: members come and go
+            TopicSpec(self.served, WeightsServed, 1, {**work, "cleanup.policy": "compact,delete"}),
             TopicSpec(self.dlq, DeadLetter, 1, work),
         ]
 

@@ -348,9 +348,11 @@ class Consumer(ABC, Generic[M]):
     def ack(self, delivery: Delivery[Any]) -> None:
         self.tracker.ack(delivery.topic, delivery.partition, delivery.offset)
 
-    async def commit(self) -> dict[TP, int]:
-        """Commit what is acked; returns the offsets committed (empty if nothing moved)."""
-        offsets = self.tracker.committable()
+    async def commit(self, offsets: dict[TP, int] | None = None) -> dict[TP, int]:
+        """Commit what is acked, or exactly ``offsets`` (a checkpoint's, which Kafka's
+        offsets must follow, never lead); returns the offsets committed (empty if nothing
+        moved)."""
+        offsets = self.tracker.committable() if offsets is None else offsets
         if not offsets:
             return {}
         done = await self._commit(offsets)

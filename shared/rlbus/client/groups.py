@@ -1,0 +1,231 @@
+"""Assembling complete groups from scored episodes, each episode exactly once, and what a
+trainer receives of them.
+
+Episodes of one group arrive in any order, possibly more than once (rollout is
+at-least-once: a restarted instance rolls a prompt out again under the same episode ids).
+The first copy of each episode index wins; later copies, and any copy of a group already
+complete or taken, are dropped and counted. Deliveries are acked only once their group is
+taken or they are dropped, so the consumer's committable offsets never pass an episode
+that was not handed to the trainer.
+
+Complete training groups are handed out oldest weights first (the version their first
+token was sampled with), and :meth:`GroupAssembler.due` names the groups whose last chance
+to train within the staleness bound is the next step: the client waits for those rather
+than let them go stale (docs/performance.md, "Stragglers"). Evaluation groups are kept
+apart: they are handed out as soon as they are complete.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlbus.messages import FinishReason, ScoredTrajectory
+from rlbus.transport import Delivery
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One scored episode, packed as the single token sequence a trainer trains on."""
+
+    episode_id: str
+    """``<group_id>/<index>``; ``rlbus trace`` follows it through every tier."""
+    index: int
+    """Its place in the group."""
+    token_ids: list[int]
+    """Token ids exactly as sampled: prompt, completions and observations in order."""
+    loss_mask: list[bool]
+    """Which of ``token_ids`` the policy sampled (the tokens a policy loss is over)."""
+    logprobs: list[float]
+    """The behaviour policy's logprob of each sampled token (0.0 elsewhere), as the
+    engine reported it at the prompt's sampling temperature."""
+    reward: float
+    """The verifier's reward (0.0 for an episode that is not ``valid``)."""
+    policy_version: int
+    """The oldest weight version that sampled any of its tokens (its staleness is the
+    trainer's version minus this)."""
+    finish_reason: FinishReason
+    """How its last completion ended (``error`` for a failed episode with no turn)."""
+    valid: bool
+    """False where it must be masked whatever its staleness: the rollout failed, the
+    verifier failed, or it has no turn. Its reward means nothing then."""
+    scored: ScoredTrajectory
+    """The whole record: turns, spec, verifier info, error."""
+    headers: Mapping[str, bytes] = field(default_factory=dict)
+    """The record's Kafka headers (its trace context), to link a training span to it."""
+
+    @classmethod
+    def of(cls, scored: ScoredTrajectory, headers: Mapping[str, bytes]) -> Episode:
+        t = scored.trajectory
+        ids: list[int] = []
+        mask: list[bool] = []
+        logprobs: list[float] = []
+        for turn in t.turns:
+            ids += turn.input_ids + turn.completion_ids
+            mask += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
+            logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
+        valid = t.status == "ok" and scored.valid and bool(t.turns)
+        return cls(
+            episode_id=t.episode_id, index=t.index, token_ids=ids, loss_mask=mask,
+            logprobs=logprobs, reward=scored.reward, policy_version=t.min_version,
+            finish_reason=t.turns[-1].finish_reason if t.turns else "error",
+            valid=valid, scored=scored, headers=dict(headers))
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """One complete group: every episode of one submitted prompt, by index."""
+
+    group_id: str
+    task: str
+    purpose: Literal["train", "eval"]
+    episodes: tuple[Episode, ...]
+    started: int
+    """The oldest weight version of any of its episodes (-1: none has a turn)."""
+    eval_round: int | None = None
+    """The evaluation round its prompt named (eval groups)."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+
+@dataclass
+class Group:
+    """A group being assembled, with the deliveries to ack once it is taken."""
+
+    group_id: str
+    size: int
+    purpose: Literal["train", "eval"] = "train"
+    members: dict[int, ScoredTrajectory] = field(default_factory=dict)
+    deliveries: list[Delivery[Any]] = field(default_factory=list)
+    started: int = -1
+    """The oldest policy version of any member back so far (-1: none back yet, or only
+    failures with no turn). A group's episodes start together, so the first member back
+    tells the version of them all; the minimum covers one that was redelivered."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.size
+
+    def ordered(self) -> list[ScoredTrajectory]:
+        return [self.members[i] for i in sorted(self.members)]
+
+    def add(self, d: Delivery[ScoredTrajectory]) -> None:
+        t = d.message.trajectory
+        self.members[t.index] = d.message
+        self.deliveries.append(d)
+        if t.turns:  # a failed episode with no turns says nothing about the weights
+            self.started = t.min_version if self.started < 0 else min(self.started,
+                                                                      t.min_version)
+
+    def scored(self) -> ScoredGroup:
+        """The group as a trainer receives it."""
+        headers = {d.message.trajectory.index: d.headers for d in self.deliveries}
+        episodes = tuple(Episode.of(m, headers.get(m.trajectory.index, {}))
+                         for m in self.ordered())
+        first = episodes[0].scored.trajectory
+        return ScoredGroup(self.group_id, first.task, self.purpose, episodes, self.started,
+                           first.eval_round)
+
+
+class GroupAssembler:
+    """Collects episodes into groups; remembers which groups were taken."""
+
+    def __init__(self, taken: list[str] | None = None, remember: int = 100_000) -> None:
+        self.open: dict[str, Group] = {}
+        self.ready: list[Group] = []
+        """Complete training groups, in completion order."""
+        self.evals: list[Group] = []
+        """Complete evaluation groups, in completion order."""
+        self.taken: OrderedDict[str, None] = OrderedDict.fromkeys(taken or [])
+        self.remember = remember
+        self.duplicates = 0
+
+    def add(self, d: Delivery[ScoredTrajectory]) -> list[Delivery[Any]]:
+        """Take one delivery; returns deliveries that are finished with (to ack now)."""
+        t = d.message.trajectory
+        # A complete group waiting to be taken counts as taken: a second full copy of it
+        # (two rollout members both ran its prompt across a rebalance) would otherwise
+        # assemble into a second group and train beside the first.
+        if t.group_id in self.taken or self._complete(t.group_id) is not None:
+            self.duplicates += 1
+            return [d]
+        group = self.open.setdefault(t.group_id, Group(t.group_id, t.group_size, t.purpose))
+        if t.index in group.members or t.index >= group.size:
+            self.duplicates += 1
+            return [d]
+        group.add(d)
+        if group.complete:
+            done = self.open.pop(t.group_id)
+            (self.evals if done.purpose == "eval" else self.ready).append(done)
+        return []
+
+    def _complete(self, group_id: str) -> Group | None:
+        return next((g for g in (*self.ready, *self.evals) if g.group_id == group_id), None)
+
+    def abandon(self, group_id: str) -> list[Delivery[Any]]:
+        """Give up an incomplete group (a member of it was dead-lettered): it is never
+        taken, later copies of its members are dropped like duplicates, and the
+        deliveries held for it are returned, to ack now. A complete group is kept: the
+        member dead-lettered was a surplus copy."""
+        if self._complete(group_id) is not None:
+            return []
+        self._remember(group_id)  # also with no member back yet: none may follow it
+        group = self.open.pop(group_id, None)
+        return group.deliveries if group is not None else []
+
+    def take(self, n: int, last_chance: int | None = None) -> list[Group]:
+        """``n`` complete training groups, marked taken: first those whose last chance to
+        train within the staleness bound is this step (sampled at ``last_chance``), then
+        the rest oldest weights first (ties: the first completed). Groups already past the
+        bound, or with no turn at all, are masked whatever step trains them: they go after
+        the last-chance ones, or they would take their places and make them stale too,
+        and before the younger ones, so they never wait long to be acked."""
+        def key(g: Group) -> tuple[bool, int]:
+            return (last_chance is None or g.started != last_chance, g.started)
+
+        self.ready.sort(key=key)  # stable: completion order within a version
+        taken, self.ready = self.ready[:n], self.ready[n:]
+        for g in taken:
+            self._remember(g.group_id)
+        return taken
+
+    def take_evals(self) -> list[Group]:
+        """Every complete evaluation group, marked taken."""
+        taken, self.evals = self.evals, []
+        for g in taken:
+            self._remember(g.group_id)
+        return taken
+
+    def _remember(self, group_id: str) -> None:
+        self.taken[group_id] = None
+        while len(self.taken) > self.remember:
+            self.taken.popitem(last=False)
+
+    def due(self, version: int, max_staleness: int, n: int) -> list[str]:
+        """Incomplete training groups that a step at ``version`` should wait for: sampled
+        exactly ``max_staleness`` versions ago, so this step is their last chance to train
+        within the bound. Only as many as the step has places left for after the complete
+        groups at their last chance too (:meth:`take` gives those the first places)."""
+        last_chance = version - max_staleness
+        if last_chance < 0:  # no version that old: nothing can go stale yet
+            return []
+        waiting = [g.group_id for g in self.open.values()
+                   if g.started == last_chance and g.purpose == "train"]
+        claimed = sum(g.started == last_chance for g in self.ready)
+        return waiting[:max(0, n - claimed)]
+
+    def taken_ids(self) -> list[str]:
+        return list(self.taken)
+
+    def trained_ids(self) -> list[str]:
+        """The groups taken (what the learner's checkpoint calls trained)."""
+        return self.taken_ids()
+
+    @property
+    def held(self) -> int:
+        """Episodes held in memory: of open groups and of complete ones not taken yet."""
+        return sum(len(g.members) for g in (*self.open.values(), *self.ready, *self.evals))

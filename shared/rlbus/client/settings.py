@@ -1,0 +1,62 @@
+"""What a trainer-side client needs to know: the cluster, its topics, its model and its pace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlbus.limits import Limits
+from rlbus.settings import KafkaSettings, TopicSettings
+
+
+class ClientSettings(BaseModel):
+    """One trainer's connection to rlbus (:class:`rlbus.client.RolloutClient`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka: KafkaSettings = KafkaSettings()
+    """How to reach the broker."""
+    topics: TopicSettings = TopicSettings()
+    """The topic prefix and shapes of the rlbus deployment to use."""
+    limits: Limits = Limits()
+    """What a scored episode may hold; one over a limit is dead-lettered and a failed
+    stand-in takes its place in its group."""
+    group: str = ""
+    """Consumer group on trajectories.scored; default ``<topic prefix>.learner``. One
+    trainer (or one rank 0) per group: groups are assembled in one process."""
+    member: str = "client-0"
+    """This client's name in dead letters, spans and logs."""
+    run_name: str = "run"
+    """Prefix of the group ids :meth:`~rlbus.client.RolloutClient.submit` makes up."""
+    model_name: str = "policy"
+    """Key of the WeightVersion events published; inference members load only theirs."""
+    model_path: Path | None = None
+    """The model folder the inference tier serves: its safetensors header gives the tensor
+    names, shapes and dtypes that published weights must have until a version has been
+    published (then that version's file does)."""
+    weights_dir: Path = Path("runs/weights")
+    """Weight store: one ``v<version>/model.safetensors`` folder per published version, on
+    storage every inference member can read at the same path."""
+    keep_weights: int = Field(default=3, ge=1)
+    """Published versions kept in the weight store (older ones are deleted)."""
+    groups_per_step: int = Field(default=4, ge=1)
+    """Training groups the trainer takes between two published weight versions."""
+    max_staleness: int = Field(default=2, ge=0)
+    """Most versions a sample's oldest token may lag the trainer's weights when it trains.
+    The credit window admits training groups at most this far ahead; ``receive`` waits for
+    a straggling group whose last chance within the bound is the next step (up to
+    ``straggler_wait_s``)."""
+    straggler_wait_s: float = Field(default=60.0, ge=0)
+    """Longest ``receive`` holds back for a group that would otherwise go stale (its
+    other members are back, one is still running); 0: never wait."""
+    remember_groups: int = Field(default=100_000, ge=1)
+    """Group ids taken that the client remembers (and a position holds), so that a later
+    copy of one (rollout is at-least-once) is dropped."""
+    served_ttl_s: float = Field(default=30.0, gt=0)
+    """An inference member counts as live while its newest report is younger than this
+    (members report every ``RLBUS_SERVED_REPORT_S``, 5 s by default)."""
+
+    @property
+    def consumer_group(self) -> str:
+        return self.group or f"{self.topics.prefix}.learner"
