@@ -1,7 +1,8 @@
 """The prompt feeder: training prompts within the credit window, and the evaluation rounds.
 
-Staleness is bounded by the credit window (SkyRL/AReaL pacing): a new group is admitted only
-while published < (max_staleness + step + 1) * groups_per_step. Every ``eval_every`` steps the
+Staleness is bounded by the client's credit window (SkyRL/AReaL pacing,
+:func:`rlbus.client.credit`): a new group is admitted only while
+published < (max_staleness + step + 1) * groups_per_step. Every ``eval_every`` steps the
 same evaluation set (specs drawn from fixed seeds) is published greedily; its episodes carry
 their round in ``Prompt.eval_round`` and come back with it in ``Trajectory.eval_round``.
 """
@@ -13,53 +14,46 @@ import random
 from typing import Any
 
 from rlbus.api import Task
+from rlbus.client import RolloutClient
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.stats import EvalStats
-from rlbus.messages import Prompt, Sampling, ScoredTrajectory
-from rlbus.transport import Producer
+from rlbus.messages import Sampling, ScoredTrajectory
 
 log = logging.getLogger(__name__)
 
 
-def credit(published: int, step: int, max_staleness: int, groups_per_step: int) -> int:
-    """How many more groups the feeder may publish now (never negative)."""
-    return max(0, (max_staleness + step + 1) * groups_per_step - published)
-
-
 class Feeder:
-    """Publishes one run's prompts; ``next_index`` (checkpointed) is how many it has sent."""
+    """Submits one run's prompts through the client, whose count of training groups
+    submitted (checkpointed) is :attr:`next_index`."""
 
-    def __init__(self, settings: LearnerSettings, task: Task, producer: Producer,
-                 topic: str, next_index: int = 0) -> None:
+    def __init__(self, settings: LearnerSettings, task: Task, client: RolloutClient) -> None:
         self.settings = settings
         self.task = task
-        self.producer = producer
-        self.topic = topic
-        self.next_index = next_index
+        self.client = client
         self.total = settings.max_steps * settings.groups_per_step
         self._eval_published: set[int] = set()
         self._evaluated_upto = -1
         self._evals: dict[int, list[tuple[bool, float]]] = {}  # round -> (success, reward)
 
+    @property
+    def next_index(self) -> int:
+        return self.client.submitted
+
     def _spec(self, seed: str) -> dict[str, Any]:
         return {**self.task.sample(random.Random(seed)), **self.settings.task_spec}
 
-    async def top_up(self, step: int, version: int) -> None:
+    async def top_up(self, step: int) -> None:
         """Publish the evaluation set if one is due, then as many training groups as the
-        credit window allows at ``step``; each asks for weights ``version`` or newer."""
-        await self.publish_eval(step, version)
+        credit window allows; each asks for the client's weights version or newer."""
+        await self.publish_eval(step)
         s = self.settings
         sampling = Sampling(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
-        room = credit(self.next_index, step, s.max_staleness, s.groups_per_step)
-        for _ in range(min(room, self.total - self.next_index)):
-            i = self.next_index
-            prompt = Prompt(group_id=f"{s.run_name}/{i}", task=s.task,
-                            spec=self._spec(f"{s.seed}/{i}"), group_size=s.group_size,
-                            sampling=sampling, min_version=version)
-            await self.producer.send(self.topic, prompt, key=prompt.group_id)
-            self.next_index += 1
+        for _ in range(min(self.client.credit(), self.total - self.next_index)):
+            i = self.next_index  # the client names the group <run_name>/<i>
+            await self.client.submit(s.task, self._spec(f"{s.seed}/{i}"),
+                                     group_size=s.group_size, sampling=sampling)
 
-    async def publish_eval(self, step: int, version: int, force: bool = False) -> bool:
+    async def publish_eval(self, step: int, force: bool = False) -> bool:
         """The evaluation set for round ``step`` if one is due (or ``force``); True if sent."""
         every = self.settings.eval_every
         # steps can outrun the feeder's wake-ups: due once per multiple of eval_every passed
@@ -71,11 +65,9 @@ class Feeder:
         self._evaluated_upto = step
         greedy = Sampling(temperature=0.0, max_new_tokens=self.settings.max_new_tokens)
         for k in range(self.settings.eval_episodes):
-            prompt = Prompt(group_id=f"{self.settings.run_name}/eval{step}/{k}",
-                            task=self.settings.task, spec=self._spec(f"eval/{k}"), group_size=1,
-                            sampling=greedy, min_version=version, purpose="eval",
-                            eval_round=step)
-            await self.producer.send(self.topic, prompt, key=prompt.group_id)
+            await self.client.submit(self.settings.task, self._spec(f"eval/{k}"), group_size=1,
+                                     sampling=greedy, purpose="eval", eval_round=step,
+                                     group_id=f"{self.settings.run_name}/eval{step}/{k}")
         return True
 
     def take_eval(self, scored: ScoredTrajectory) -> EvalStats | None:

@@ -1,28 +1,32 @@
 """Learner: GRPO on complete groups and weight publication; hosts the prompt feeder.
 
+The learner is the first trainer of :mod:`rlbus.client`: the client assembles the groups
+(each episode once, duplicates dropped, dead letters replaced by failed stand-ins), keeps
+the credit window, waits for stragglers and publishes the weights; the learner takes the
+GRPO step, checkpoints, runs the evaluation rounds and records the metrics.
+
 Delivery contract: exactly once by checkpointed offsets. The checkpoint holds the model, the
-optimizer, the version, the step, the consumer offsets below which every episode has been
-trained, the ids of trained groups (the newest 100k), the ledger of every episode id each of
-the last ``ledger_steps`` steps trained on (an audit trail, not deduplicated) and the
-feeder's position, written atomically. A restarted
-learner loads it, seeks its partitions to those offsets and rewinds the model with them, so
+optimizer, the version, the step, the client's position after the last step (the consumer
+offsets below which every episode has been trained, the ids of trained groups, the newest
+100k, and the feeder's count of prompts), and the ledger of every episode id each of the
+last ``ledger_steps`` steps trained on (an audit trail, not deduplicated), written
+atomically. A restarted learner loads it and starts its client from that position, so
 nothing is trained twice (same model state, same data) and nothing is skipped. Kafka's own
 committed offsets follow the checkpoint (for lag monitoring), never lead it.
 
 Under ``torchrun`` this service is rank 0 and the only one that reads Kafka, checkpoints and
 publishes; the other ranks train their share of each step (:mod:`.distributed`).
 
-Staleness: the feeder's credit window (:mod:`.feeder`) bounds how far ahead groups start;
-each step trains the groups at their last chance first, then the oldest, and holds the step
-(up to ``straggler_wait_s``) for an incomplete group whose last chance it is
-(:mod:`.groups`). Samples older than ``max_staleness`` versions that still reach the
-learner are masked and counted (``masked_stale``).
+Staleness: the client's credit window bounds how far ahead the feeder (:mod:`.feeder`) starts
+groups; each step trains the groups at their last chance first, then the oldest, and holds
+the step (up to ``straggler_wait_s``) for an incomplete group whose last chance it is
+(:mod:`rlbus.client.groups`). Samples older than ``max_staleness`` versions that still reach
+the learner are masked and counted (``masked_stale``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -30,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from rlbus import plugins, telemetry
+from rlbus.client import ClientSettings, Position, RolloutClient, ScoredGroup
+from rlbus.client.groups import GroupAssembler
 from rlbus.learner.feeder import Feeder
-from rlbus.learner.groups import GroupAssembler
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.stats import EvalStats, StepStats
 from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
-from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer
-from rlbus.limits import check_identity, check_scored
-from rlbus.messages import MASK_CAUSES, ScoredTrajectory, WeightVersion
+from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer, episode_success
+from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
 from rlbus.service import Service
-from rlbus.transport import TP, Bus, Consumer, Delivery, Producer
+from rlbus.transport import Bus
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,6 @@ class Learner(Service[LearnerSettings]):
         self.task = plugins.task(settings.task) if settings.feed else None
         self.step = 0
         self.version = 0
-        self.next_index = 0
-        self.offsets: dict[TP, int] = {}
-        self.assembler = GroupAssembler()
         self._progress = asyncio.Event()
         self._t0 = time.monotonic()
         self._episodes_trained = 0
@@ -63,10 +64,11 @@ class Learner(Service[LearnerSettings]):
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
         self._last_eval: EvalStats | None = None
         self.feeder: Feeder | None = None
-        self._held_since: float | None = None  # when the pending step began to wait
+        self._position = Position()  # after the last step trained: what a checkpoint keeps
         # built in setup; None until then, so that close releases it after a setup that failed
         # later on (under torchrun the follower ranks wait for it)
         self._trainer: StepTrainer | None = None
+        self._client: RolloutClient | None = None
 
     @property
     def trainer(self) -> StepTrainer:
@@ -75,63 +77,76 @@ class Learner(Service[LearnerSettings]):
             raise RuntimeError("the learner's trainer is built in setup()")
         return self._trainer
 
+    @property
+    def client(self) -> RolloutClient:
+        """The client :meth:`setup` connected."""
+        if self._client is None:
+            raise RuntimeError("the learner's client is connected in setup()")
+        return self._client
+
+    @property
+    def assembler(self) -> GroupAssembler:
+        """The client's groups: which were trained, how many duplicates were dropped."""
+        return self.client.assembler
+
     # -- setup and restore
 
     async def setup(self) -> None:
         # On the loop thread: HF loading is not thread-safe.
         synthetic = self.settings.trainer == "synthetic"
         self._trainer = SyntheticTrainer(self.settings) if synthetic else Trainer(self.settings)
-        self._restore(await asyncio.to_thread(load_checkpoint, self.settings.checkpoint_dir))
-        self.producer: Producer = await self.bus.producer()
-        self.version = max(self.version, await self._published_version())
-        self.scored: Consumer[ScoredTrajectory] = await self.bus.consumer(
-            [self.topics.scored],
-            ScoredTrajectory,
-            group_id=self.group,
-            read_committed=True,  # reward publishes in transactions
-            on_assign=self._seek_to_checkpoint,
-        )
+        self._position = self._restore(
+            await asyncio.to_thread(load_checkpoint, self.settings.checkpoint_dir))
+        self._client = await RolloutClient.connect(
+            self._client_settings(), self.bus, position=self._position, admit=self._admit,
+            on_count=self._counted)
+        self.version = self.client.version
         if self.task is not None:
-            self.feeder = Feeder(self.settings, self.task, self.producer,
-                                 self.topics.prompts, self.next_index)
+            self.feeder = Feeder(self.settings, self.task, self.client)
             self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)
 
-    def _restore(self, checkpoint: Checkpoint | None) -> None:
+    def _client_settings(self) -> ClientSettings:
+        s = self.settings
+        return ClientSettings(
+            kafka=s.kafka, topics=s.topics, limits=s.limits, group=self.group,
+            member=self.member, run_name=s.run_name, model_name=s.model_name,
+            model_path=s.model_path, weights_dir=s.weights_dir, keep_weights=s.keep_weights,
+            groups_per_step=s.groups_per_step, max_staleness=s.max_staleness,
+            straggler_wait_s=s.straggler_wait_s)
+
+    def _restore(self, checkpoint: Checkpoint | None) -> Position:
+        """Rewind the trainer and the learner's counts; the client's position to resume."""
         if checkpoint is None:
-            return
+            return Position()
         self.trainer.restore(checkpoint.policy)
         self.step, self.version = checkpoint.step, checkpoint.version
-        self.next_index = checkpoint.next_index
-        self.offsets = dict(checkpoint.offsets)
-        self.assembler = GroupAssembler(checkpoint.trained)
         self.ledger = [list(step) for step in checkpoint.ledger]
         self._episodes_trained = checkpoint.episodes_trained
         self._masked |= checkpoint.masked_by_cause
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
+        return checkpoint.position(self.topics.scored)
 
-    async def _published_version(self) -> int:
-        """Versions only grow: a learner rewound to a checkpoint publishes after the newest
-        version any replica may hold, or replicas would ignore its weights."""
-        weights = await self.bus.consumer(
-            [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
-        )
-        announced = await weights.read_to_end((self.topics.weights, 0))
-        await weights.close()
-        mine = [d.message.version for d in announced
-                if d.message.model == self.settings.model_name]
-        return max(mine, default=0)
+    def _admit(self, t: Trajectory) -> None:
+        """Raise if ``t`` can take part in nothing (the client dead-letters it alone):
+        a training episode the trainer cannot step on, an evaluation episode whose task's
+        success metric raises on it."""
+        if t.purpose == "train":
+            self.trainer.admit(t)
+        else:
+            episode_success(t)
 
-    async def _seek_to_checkpoint(self, scored: Consumer[Any], assigned: list[TP]) -> None:
-        for tp in assigned:
-            if tp in self.offsets:
-                await scored.seek(tp, self.offsets[tp])
+    def _counted(self, name: str, n: int) -> None:
+        if name == "records":
+            self.count_input(n)
+        else:
+            self.bump(name, n)
 
     # -- feeder
 
     async def _feed(self, feeder: Feeder) -> None:
         while not self.stopping:  # after the last training prompt, evaluations still run
-            await feeder.top_up(self.step, self.version)
+            await feeder.top_up(self.step)
             self._progress.clear()
             await self._wait_progress()
 
@@ -139,15 +154,18 @@ class Learner(Service[LearnerSettings]):
         """Evaluate the final weights before stopping (the feeder loop no longer runs)."""
         if self.feeder is None or not self.settings.eval_every:
             return
-        await self.feeder.publish_eval(self.step, self.version, force=True)  # unless sent
+        await self.feeder.publish_eval(self.step, force=True)  # unless sent
         deadline = time.monotonic() + timeout_s
         while self._last_eval is None or self._last_eval.at_step != self.step:
             if time.monotonic() > deadline:
                 log.warning("final evaluation incomplete after %.0fs", timeout_s)
                 return
-            for d in await self.scored.poll(0.5):
-                if d.message.trajectory.purpose == "eval":
-                    self._take_eval(d.message)
+            self._take_evals(await self.client.evaluations(0.5))
+
+    def _take_evals(self, groups: list[ScoredGroup]) -> None:
+        for g in groups:
+            for e in g.episodes:
+                self._take_eval(e.scored)
 
     def _take_eval(self, scored: ScoredTrajectory) -> None:
         figures = self.feeder.take_eval(scored) if self.feeder is not None else None
@@ -172,103 +190,28 @@ class Learner(Service[LearnerSettings]):
 
     async def main(self) -> None:
         while not self.stopping:
-            for d in await self.scored.poll(0.5):
-                await self._handle(d)
-            while (len(self.assembler.ready) >= self.settings.groups_per_step
-                   and not self._waiting() and not self.stopping):
-                await self._train_step()
+            groups = await self.client.receive(self.settings.groups_per_step, timeout_s=0.5)
+            self._take_evals(await self.client.evaluations())
+            if groups and not self.stopping:  # taken, not trained: the position says so
+                await self._train_step(groups)
 
-    async def _handle(self, d: Delivery[ScoredTrajectory]) -> None:
-        """One scored episode into its group or its evaluation round. Dead-lettered (over
-        a limit, or its handling raised), a failed stand-in takes its place, so that the
-        group completes with this member masked instead of holding the others, and every
-        later commit, for ever; the record is acked with its group, so a restart before
-        that makes the same stand-in again. One that can be no group's member (a group of
-        10^9) ends its group."""
-        async with self.scored.handling(d, ack=False) as outcome:
-            outcome.refusal = check_scored(d.message, self.settings.limits)
-            if outcome.refusal is not None:
-                await self.scored.reject(d, outcome.refusal, ack=False)
-                self.bump("rejected")
-            else:
-                with d.processing():
-                    self._take(d)
-        if outcome.error is not None:
-            self._stand_in(d, outcome.error)
-        self.count_input()
-
-    def _stand_in(self, d: Delivery[ScoredTrajectory], error: str) -> None:
-        t = d.message.trajectory
-        if check_identity(t, self.settings.limits) is not None:
-            self.scored.ack(d)
-            self._abandon(t.group_id)
-            return
-        stand_in = ScoredTrajectory.failed_stand_in(t, error)
-        self._take(dataclasses.replace(d, message=stand_in))
-
-    def _take(self, d: Delivery[ScoredTrajectory]) -> None:
-        if d.message.trajectory.purpose == "eval":
-            self._take_eval(d.message)
-            self.scored.ack(d)
-        else:
-            self.trainer.admit(d.message.trajectory)  # raises: a dead letter, not a failed step
-            for done in self.assembler.add(d):
-                self.scored.ack(done)
-
-    def _abandon(self, group_id: str) -> None:
-        held = self.assembler.abandon(group_id)
-        for d in held:
-            self.scored.ack(d)
-        if held:
-            log.warning("group %s abandoned: a member was dead-lettered; %d episodes of it "
-                        "dropped", group_id, len(held))
-            self.bump("abandoned_groups")
-
-    def _waiting(self) -> bool:
-        """Hold the step back while a straggling group's last chance to train within the
-        staleness bound is this step, up to ``straggler_wait_s``; past that, go on (the
-        group is masked as stale when it arrives)."""
-        s = self.settings
-        if s.straggler_wait_s <= 0:
-            return False
-        due = self.assembler.due(self.version, s.max_staleness, s.groups_per_step)
-        now = time.monotonic()
-        if not due:
-            return False
-        if self._held_since is None:
-            self._held_since = now
-            self.bump("straggler_waits")
-            log.debug("step %d waits for %s", self.step + 1, ", ".join(due))
-        if now - self._held_since < s.straggler_wait_s:
-            return True
-        log.warning("step %d waited %.0fs for %s; going on without them (they will be "
-                    "masked as stale)", self.step + 1, now - self._held_since, ", ".join(due))
-        self.bump("straggler_timeouts")
-        return False
-
-    async def _train_step(self) -> None:
-        groups = self.assembler.take(self.settings.groups_per_step,
-                                     self.version - self.settings.max_staleness)
-        held, self._held_since = self._held_since, None
+    async def _train_step(self, groups: list[ScoredGroup]) -> None:
         t0 = time.perf_counter()
-        waited = 0.0 if held is None else time.monotonic() - held
-        episodes = [telemetry.sender_context(d.headers) for g in groups for d in g.deliveries]
+        waited = self.client.waited_s
+        episodes = [telemetry.sender_context(e.headers) for g in groups for e in g.episodes]
         attrs = {"rlbus.step": self.step + 1}
         with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
         self._record_staleness(groups)
         telemetry.LOSS.record(stats.loss)
         self.step += 1
-        self.version += 1
-        for g in groups:
-            for d in g.deliveries:
-                self.scored.ack(d)
         # what entered the loss: masked episodes (stale, failed, invalid) are counted apart
         self._episodes_trained += stats.masks.trained
         for cause, n in stats.masks.by_cause.items():
             self._masked[cause] += n
         await self._publish_weights()
-        self.ledger.append([m.trajectory.episode_id for g in groups for m in g.ordered()])
+        self._position = self.client.position()  # every group taken so far is trained now
+        self.ledger.append([e.episode_id for g in groups for e in g.episodes])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
         self._record(stats, round(waited, 3), time.perf_counter() - t0)
         if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
@@ -278,41 +221,31 @@ class Learner(Service[LearnerSettings]):
             await self._final_eval()
             self.request_stop(f"reached max_steps={self.settings.max_steps}")
 
-    def _record_staleness(self, groups: list[Any]) -> None:
+    def _record_staleness(self, groups: list[ScoredGroup]) -> None:
         for g in groups:
-            for m in g.members.values():
-                telemetry.STALENESS.record(self.version - m.trajectory.min_version)
+            for e in g.episodes:
+                telemetry.STALENESS.record(self.version - e.policy_version)
 
     async def _publish_weights(self) -> None:
-        uri, digest = await asyncio.to_thread(self.trainer.save_weights, self.version)
-        event = WeightVersion(
-            model=self.settings.model_name,
-            version=self.version,
-            uri=uri,
-            checksum=digest,
-            step=self.step,
-            samples_trained=self._episodes_trained,
-            samples_masked=dict(self._masked),
-        )
-        await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
+        event = await self.client.publish_weights(
+            self.trainer.weights(), step=self.step, samples_trained=self._episodes_trained,
+            samples_masked=self._masked)
+        self.version = event.version
 
     async def _checkpoint(self) -> None:
-        offsets = {**self.offsets, **self.scored.tracker.committable()}
+        # the prompts sent so far count as sent: a restart does not send them again
+        position = self._position.model_copy(update={"submitted": self.client.submitted})
         checkpoint = Checkpoint.of(
             self.trainer.state(),
+            position=position,
             step=self.step,
-            version=self.version,
-            next_index=self.feeder.next_index if self.feeder else self.next_index,
-            offsets=offsets,
-            trained=self.assembler.trained_ids(),
             ledger=self.ledger,
             ledger_first_step=self.step - len(self.ledger) + 1,
             episodes_trained=self._episodes_trained,
             masked_by_cause=self._masked,
         )
         await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, checkpoint)
-        self.offsets = offsets
-        await self.scored.commit()  # Kafka's offsets follow the checkpoint, never lead it
+        await self.client.commit(position)  # Kafka's offsets follow the checkpoint, never lead it
         self.bump("checkpoints")
 
     def _record(self, stats: StepStats, waited_s: float, seconds: float) -> None:
@@ -322,7 +255,7 @@ class Learner(Service[LearnerSettings]):
             "time": round(time.monotonic() - self._t0, 3),
             "step_seconds": round(seconds, 4),
             "episodes_trained": self._episodes_trained,
-            "duplicates_dropped": self.assembler.duplicates,
+            "duplicates_dropped": self.client.assembler.duplicates,
             **stats.row(),
             "waited_s": waited_s,
         }

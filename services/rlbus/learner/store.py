@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from safetensors.torch import save_model
 from torch import nn
 
+from rlbus.client import Position
 from rlbus.errors import FatalError
 from rlbus.messages import MASK_CAUSES
 from rlbus.weights import WEIGHTS_FILE, sha256_file
@@ -80,7 +81,9 @@ class PolicyState:
 
 
 class Checkpoint(BaseModel):
-    """Everything a restarted learner resumes from (see :mod:`rlbus.learner.service`)."""
+    """Everything a restarted learner resumes from (see :mod:`rlbus.learner.service`).
+    ``offsets``, ``trained``, ``next_index``, ``step`` and ``version`` are the fields of the
+    client's :class:`~rlbus.client.Position` (:meth:`of`, :meth:`position`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -107,11 +110,26 @@ class Checkpoint(BaseModel):
     """Episodes masked so far, by cause (:data:`~rlbus.messages.MASK_CAUSES`)."""
 
     @classmethod
-    def of(cls, policy: PolicyState | None, **fields: Any) -> Checkpoint:
-        """A checkpoint of the trainer's ``policy`` and the learner's ``fields``."""
+    def of(cls, policy: PolicyState | None, position: Position | None = None,
+           **fields: Any) -> Checkpoint:
+        """A checkpoint of the trainer's ``policy``, the client's ``position`` (its
+        offsets, trained group ids, prompt count, steps and version) and the learner's
+        other ``fields``."""
+        if position is not None:
+            topic = position.topic or ""
+            fields |= {"offsets": {(topic, p): o for p, o in position.offsets.items()},
+                       "trained": list(position.taken), "next_index": position.submitted,
+                       "version": position.version}
         if policy is None:
             return cls(**fields)
         return cls(model=policy.model, optimizer=policy.optimizer, **fields)
+
+    def position(self, topic: str) -> Position:
+        """The client position this checkpoint holds, for the scored topic ``topic``
+        (offsets of any other topic, from a run under another prefix, are left out)."""
+        return Position(topic=topic, taken=self.trained, submitted=self.next_index,
+                        steps=self.step, version=self.version,
+                        offsets={p: o for (t, p), o in self.offsets.items() if t == topic})
 
     @property
     def policy(self) -> PolicyState | None:

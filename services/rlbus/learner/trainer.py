@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
+from rlbus.client import Episode, ScoredGroup
 from rlbus.errors import InvalidMessageError
 from rlbus.learner.distributed import World, shard
-from rlbus.learner.groups import Group
 from rlbus.learner.grpo import (
     Whole,
     collate,
@@ -25,7 +25,7 @@ from rlbus.learner.grpo import (
 )
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
-from rlbus.learner.store import PolicyState, save_weights
+from rlbus.learner.store import PolicyState
 from rlbus.learner.work import RankMessage, Release, TrainOrder, Work
 from rlbus.limits import check_token_ids
 from rlbus.messages import ScoredTrajectory, Trajectory
@@ -39,11 +39,12 @@ class StepTrainer(Protocol):
     def admit(self, t: Trajectory) -> None:
         """Raise if ``t`` can take part in no step (it is dead-lettered alone)."""
 
-    def step(self, groups: list[Group], version: int) -> StepStats:
+    def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         """One training step on complete groups, at policy version ``version``."""
 
-    def save_weights(self, version: int) -> tuple[str, str]:
-        """Write the weights of ``version`` for the engines; returns (uri, sha256)."""
+    def weights(self) -> nn.Module | None:
+        """What the client publishes after a step (None: no weights, the synthetic
+        engine's load tests)."""
 
     def state(self) -> PolicyState | None:
         """What a checkpoint keeps of the trainer (None: it has no state)."""
@@ -55,17 +56,10 @@ class StepTrainer(Protocol):
         """Release what the trainer holds (under torchrun: the follower ranks)."""
 
 
-def packed(t: Trajectory, advantage: float) -> Work:
-    """The episode as one sequence: token ids exactly as sampled, which of them the policy
-    sampled, and the engine's logprobs for those (0 elsewhere)."""
-    ids: list[int] = []
-    sampled: list[bool] = []
-    logprobs: list[float] = []
-    for turn in t.turns:
-        ids += turn.input_ids + turn.completion_ids
-        sampled += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
-        logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
-    return Work(ids, sampled, logprobs, advantage)
+def packed(episode: Episode, advantage: float) -> Work:
+    """The episode as the client packed it (token ids exactly as sampled, which of them the
+    policy sampled, the engine's logprobs for those) with its advantage."""
+    return Work(episode.token_ids, episode.loss_mask, episode.logprobs, advantage)
 
 
 def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
@@ -81,7 +75,7 @@ def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> 
 
 @dataclass
 class Sample:
-    scored: ScoredTrajectory
+    episode: Episode
     advantage: float
     staleness: int
     cause: str | None  # why it is masked; None: it trains
@@ -89,6 +83,10 @@ class Sample:
     @property
     def used(self) -> bool:
         return self.cause is None
+
+    @property
+    def scored(self) -> ScoredTrajectory:
+        return self.episode.scored
 
 
 class Trainer:
@@ -128,13 +126,13 @@ class Trainer:
         self.scorer: nn.Module = _Scorer(self.model, cfg)
         self._replicated = self.world.size == 1
 
-    def samples(self, groups: list[Group], version: int) -> list[Sample]:
+    def samples(self, groups: list[ScoredGroup], version: int) -> list[Sample]:
         """Advantages per group; stale or invalid episodes are masked (advantage 0)."""
         out: list[Sample] = []
         for g in groups:
-            members = g.ordered()
-            stale = [version - m.trajectory.min_version for m in members]
-            causes = [mask_cause(m, s, self.cfg.max_staleness)
+            members = g.episodes
+            stale = [version - m.policy_version for m in members]
+            causes = [mask_cause(m.scored, s, self.cfg.max_staleness)
                       for m, s in zip(members, stale, strict=True)]
             adv = group_advantages(
                 torch.tensor([m.reward for m in members]),
@@ -157,7 +155,7 @@ class Trainer:
             raise InvalidMessageError(why.detail, reason=why.reason)
         episode_success(t)
 
-    def step(self, groups: list[Group], version: int) -> StepStats:
+    def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         samples = self.samples(groups, version)
         # a zero advantage adds no policy gradient, so those episodes are left out, unless
         # the entropy bonus is on: it is a term of every trained token, not only of the
@@ -166,7 +164,7 @@ class Trainer:
         used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
         update = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0)
         if used:
-            update = self.lead([packed(s.scored.trajectory, s.advantage) for s in used])
+            update = self.lead([packed(s.episode, s.advantage) for s in used])
         return self._describe(samples, update)
 
     def lead(self, work: list[Work]) -> UpdateStats:
@@ -197,10 +195,8 @@ class Trainer:
             self.world.broadcast(Release())
         self.world.close()
 
-    def save_weights(self, version: int) -> tuple[str, str]:
-        folder, digest = save_weights(self.model, self.cfg.weights_dir, version,
-                                      self.cfg.keep_weights)
-        return str(folder.resolve()), digest
+    def weights(self) -> nn.Module:
+        return self.model  # type: ignore[no-any-return]
 
     def optimize(self, work: list[Work]) -> UpdateStats:
         """``updates_per_step`` optimizer steps on the batch `work` (every rank passes the
@@ -373,9 +369,9 @@ class SyntheticTrainer:
     def admit(self, t: Trajectory) -> None:
         """No model, no metric: every episode can take part."""
 
-    def step(self, groups: list[Group], version: int) -> StepStats:
+    def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
-        samples = [m for g in groups for m in g.ordered()]
+        samples = [e.scored for g in groups for e in g.episodes]
         ages = [version - m.trajectory.min_version for m in samples]
         # the same mask as the GRPO trainer
         causes = [mask_cause(m, a, self.cfg.max_staleness)
@@ -393,8 +389,8 @@ class SyntheticTrainer:
             tokens=sum(m.trajectory.num_tokens for m in samples),
         )
 
-    def save_weights(self, version: int) -> tuple[str, str]:
-        return "synthetic://", ""
+    def weights(self) -> None:
+        return None
 
     def state(self) -> None:
         return None

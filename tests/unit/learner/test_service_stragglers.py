@@ -1,5 +1,5 @@
 """A straggling group is waited for, not masked: the staleness bound holds and nothing is
-wasted (services/rlbus/learner/groups.py, Learner._waiting).
+wasted (shared/rlbus/client/groups.py, RolloutClient._holding).
 
 The learner runs on the in-memory bus with the synthetic trainer; the test plays the reward
 tier itself, publishing scored episodes with chosen policy versions at chosen moments.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlbus.learner.groups import GroupAssembler
+from rlbus.client.groups import GroupAssembler
 from rlbus.learner.service import Learner
 from rlbus.learner.settings import LearnerSettings
 from rlbus.messages import ScoredTrajectory

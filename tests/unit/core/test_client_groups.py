@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlbus.learner.groups import GroupAssembler
+from rlbus.client.groups import GroupAssembler
 from rlbus.transport import Delivery
 from tests import factories
 
