@@ -4,7 +4,10 @@ Delivery contract: at-least-once. A step request is acked (and its offset commit
 after its result is acknowledged by the broker, so a replica killed mid-batch leaves its
 requests to another replica; the requester drops the duplicate answer by ``request_id``.
 Weights are reloaded between batches, never mid-sequence; every result carries the version
-that produced all of its tokens.
+that produced all of its tokens. The member reports the version it serves on weights.served
+(:class:`rlbus.messages.WeightsServed`) once it starts serving, after every load or refusal,
+every ``served_report_s`` in between and when it leaves: what a trainer's ``wait_served``
+waits on.
 
 The batch loop only generates and hands the results to the producer: waiting for the
 broker's acks, acking the requests and committing happen in the background (at most
@@ -26,7 +29,7 @@ from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.engines import make_engine
 from rlbus.inference.settings import InferenceSettings
 from rlbus.limits import check_step
-from rlbus.messages import Sampling, StepRequest, StepResult, WeightVersion
+from rlbus.messages import Sampling, StepRequest, StepResult, WeightsServed, WeightVersion
 from rlbus.service import Service
 from rlbus.transport import Bus, Consumer, Delivery, Producer
 from rlbus.weights import ChecksumMismatchError
@@ -50,6 +53,8 @@ class Inference(Service[InferenceSettings]):
         self._latest: WeightVersion | None = None
         self._new_weights = asyncio.Event()
         self._refused = -1  # newest version whose files failed verification
+        self._refused_error: str | None = None
+        self._served_changed = asyncio.Event()  # a load or a refusal: report it now
         self._unsettled: deque[asyncio.Task[None]] = deque()  # oldest first
 
     async def setup(self) -> None:
@@ -67,6 +72,7 @@ class Inference(Service[InferenceSettings]):
         )
         self.spawn("weights", self._watch_weights())
         self.spawn("commits", self._commit_periodically())
+        self.spawn("served", self._report_served())
 
     async def _catch_up_weights(self) -> None:
         """A (re)started replica serves the newest published weights from its first batch."""
@@ -97,11 +103,29 @@ class Inference(Service[InferenceSettings]):
         except (ChecksumMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
-            self._refused = w.version
+            self._refused, self._refused_error = w.version, str(exc)
+            self._served_changed.set()
             self.bump("refused_weights")
             return
+        self._served_changed.set()
         self.bump("reloads")
         log.info("loaded weights v%d in %.2fs", w.version, time.perf_counter() - t0)
+
+    async def _report_served(self) -> None:
+        while not self.stopping:
+            self._served_changed.clear()
+            await self._report()
+            waiter = asyncio.create_task(self._served_changed.wait())
+            await asyncio.wait({waiter}, timeout=self.settings.served_report_s)
+            waiter.cancel()
+
+    async def _report(self, leaving: bool = False) -> None:
+        report = WeightsServed(
+            model=self.settings.model_name, member=self.member, version=self.engine_version,
+            refused_version=self._refused if self._refused >= 0 else None,
+            refused_error=self._refused_error, every_s=self.settings.served_report_s,
+            leaving=leaving)
+        await self.producer.send(self.topics.served, report, key=self.member)
 
     async def _await_version(self, needed: int) -> None:
         """A request admitted at version v must not be served by older weights: that is
@@ -288,6 +312,7 @@ class Inference(Service[InferenceSettings]):
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         await self.steps.commit()
+        await self._report(leaving=True)  # a trainer waiting for a version stops counting it
 
     async def close(self) -> None:
         if self.engine is not None:  # None: setup failed before it built one

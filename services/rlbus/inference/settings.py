@@ -52,6 +52,9 @@ class InferenceSettings(ServiceSettings):
     version_wait_s: float = Field(default=60.0, ge=0)
     """Longest wait for the weights a request's min_version asks for before serving it
     with older ones (and counting it)."""
+    served_report_s: float = Field(default=5.0, gt=0)
+    """How often this member reports the weights version it serves on weights.served
+    (besides at once after each load): what a trainer's ``wait_served`` reads."""
     seed: int = 0
     """Sampling seed; each replica mixes in its instance name for a stream of its own."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()

@@ -468,11 +468,12 @@ class RolloutClient:
                 self._served.note(d.message)
 
     async def _served_members(self) -> Consumer[WeightsServed]:
-        """The reader of weights.served, caught up on every member's newest report."""
+        """The reader of weights.served, caught up on every member's newest report as of
+        now (so a wait never decides on reports older than the call)."""
+        tp = (self.topics.served, 0)
         if self._served_reader is None:
-            tp = (self.topics.served, 0)
-            reader = await self.bus.consumer([self.topics.served], WeightsServed, assign=[tp])
-            for d in await reader.read_to_end(tp):
-                self._served.note(d.message)
-            self._served_reader = reader
+            self._served_reader = await self.bus.consumer([self.topics.served], WeightsServed,
+                                                          assign=[tp])
+        for d in await self._served_reader.read_to_end(tp):
+            self._served.note(d.message)
         return self._served_reader

@@ -179,10 +179,33 @@ def _dtype_ok(have: str, want: str, exact: bool) -> bool:
     return not exact and have in FLOATS and want in FLOATS
 
 
+def tie_copies(weights: Prepared, reference: Reference) -> None:
+    """Count as aliases the names the reference lacks whose tensor equals another one of
+    the same spec: tied weights that were copied apart (a state dict of clones) are still
+    one tensor to the engines."""
+    if weights.tensors is None:
+        return
+    import torch
+
+    tensors = weights.tensors
+    for names in list(weights.aliases):
+        if names & reference.specs.keys():
+            continue
+        spec = weights.specs[min(names)]
+        twin = next((other for other in weights.aliases
+                     if other is not names and other & reference.specs.keys()
+                     and weights.specs[min(other)] == spec
+                     and torch.equal(tensors[min(other)], tensors[min(names)])), None)
+        if twin is not None:
+            weights.aliases.remove(names)
+            weights.aliases[weights.aliases.index(twin)] = twin | names
+
+
 def check(weights: Prepared, reference: Reference | None, version: int) -> None:
     """Raise :class:`WeightsMismatchError` unless ``weights`` match ``reference``."""
     if reference is None:
         return
+    tie_copies(weights, reference)
     found = problems(weights, reference)
     if found:
         shown = "; ".join(found[:MAX_PROBLEMS_SHOWN])

@@ -7,7 +7,7 @@ import sys
 def test_shared_does_not_import_heavy_frameworks():
     code = (
         "import sys, rlbus.settings, rlbus.messages, rlbus.codec, rlbus.topics, "
-        "rlbus.transport, rlbus.service\n"
+        "rlbus.transport, rlbus.service, rlbus.client\n"
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
