@@ -79,8 +79,9 @@ def build_model(folder: Path) -> Path:
 
 def start_stack(run_dir: Path, model: Path, bootstrap: str | None = None,
                 prefix: str | None = None) -> Stack:
-    """A broker (``bootstrap``, else RLBUS_KAFKA_BOOTSTRAP, else a local one started),
-    fresh topics, and inference, reward and rollout as processes serving ``model``."""
+    """A broker (``bootstrap``, else a local one started for the run), the run's topics
+    (``prefix``, default the run folder's name; created if missing), and inference, reward
+    and rollout as processes serving ``model``."""
     from rlbus.ops.broker import bootstrap_or_start
     from rlbus.topics import ensure_topics
 
@@ -88,7 +89,7 @@ def start_stack(run_dir: Path, model: Path, bootstrap: str | None = None,
     if bootstrap is None:
         bootstrap, cluster = bootstrap_or_start()
     kafka = KafkaSettings(bootstrap=bootstrap)
-    topics = TopicSettings(prefix=prefix or f"trl-{run_dir.name}", partitions=2,
+    topics = TopicSettings(prefix=prefix or run_dir.name, partitions=2,
                            result_partitions=2)
     asyncio.run(ensure_topics(kafka, topics))
     base = child_env({**settings_env(kafka=kafka, topics=topics, instance=0),
@@ -163,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="each step waits until inference serves its weights")
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument("--resume", action="store_true", help="from the run folder's last checkpoint")
+    p.add_argument("--bootstrap", default=os.environ.get("RLBUS_KAFKA__BOOTSTRAP"),
+                   help="a Kafka broker (default $RLBUS_KAFKA__BOOTSTRAP, else a local one "
+                        "started for the run)")
     args = p.parse_args(argv)
     run_dir = (args.run_dir or Path("runs") / time.strftime("trl-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     torch_threads()
     model = build_model(run_dir / "model")
-    stack = start_stack(run_dir, model, os.environ.get("RLBUS_KAFKA_BOOTSTRAP"))
+    stack = start_stack(run_dir, model, args.bootstrap)
     print(f"rlbus services started; logs in {run_dir / 'logs'}", flush=True)
     try:
         return train(args, run_dir, model, stack)
