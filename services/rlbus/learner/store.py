@@ -33,7 +33,10 @@ from rlbus.weights import WEIGHTS_FILE, sha256_file
 
 
 def save_weights(model: nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
-    """Write version ``version``; returns (folder, sha256). Keeps the newest ``keep``."""
+    """Write version ``version``; returns (folder, sha256). Keeps the newest ``keep``.
+    The store's writer for tools and benchmarks; a trainer (the learner included)
+    publishes through :meth:`rlbus.client.RolloutClient.publish_weights`, which checks the
+    tensors first and writes the same layout."""
     folder = weights_dir / f"v{version:06d}"
     tmp = weights_dir / f".v{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -100,6 +100,7 @@ class RolloutClient:
                                 f"{self.topics.scored} (RLBUS_TOPICS__PREFIX?)")
         self._offsets = dict(start.offsets)
         self.assembler = GroupAssembler(start.taken, settings.remember_groups)
+        """The groups being assembled (to inspect: ``duplicates`` dropped, ``held``)."""
         self.submitted = start.submitted
         """Training groups submitted, over the trainer's whole run."""
         self.steps = start.steps
@@ -115,6 +116,7 @@ class RolloutClient:
         self._evals_submitted = 0
         self._credit = asyncio.Event()
         self._submitting = asyncio.Lock()
+        self._publishing = asyncio.Lock()
         self._latest: WeightVersion | None = None
         self._reference: Reference | None = None
         self._served = ServedMembers(settings.model_name, settings.served_ttl_s)
@@ -401,16 +403,17 @@ class RolloutClient:
         :class:`~rlbus.errors.WeightsMismatchError`, and nothing is written or announced.
         The version counts as one step of the credit window. ``wait_served``: then
         :meth:`wait_served` for it. ``step``, ``samples_trained`` and ``samples_masked``
-        travel in the event, for ``rlbus status``."""
-        version = self.version + 1
-        uri, digest = await asyncio.to_thread(self._write, weights, version)
-        event = WeightVersion(
-            model=self.settings.model_name, version=version, uri=uri, checksum=digest,
-            step=self.steps + 1 if step is None else step, samples_trained=samples_trained,
-            samples_masked=dict(samples_masked or {}))
-        await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
-        self.version, self.steps, self._latest = version, self.steps + 1, event
-        self._credit.set()
+        travel in the event, for ``rlbus status``. Publishes run one at a time."""
+        async with self._publishing:
+            version = self.version + 1
+            uri, digest = await asyncio.to_thread(self._write, weights, version)
+            event = WeightVersion(
+                model=self.settings.model_name, version=version, uri=uri, checksum=digest,
+                step=self.steps + 1 if step is None else step,
+                samples_trained=samples_trained, samples_masked=dict(samples_masked or {}))
+            await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
+            self.version, self.steps, self._latest = version, self.steps + 1, event
+            self._credit.set()
         if wait_served:
             await self.wait_served(version, timeout_s=timeout_s, min_members=min_members)
         return event

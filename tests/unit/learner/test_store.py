@@ -113,3 +113,18 @@ async def test_a_learner_will_not_start_from_a_checkpoint_it_cannot_read(tmp_pat
     learner = Learner(settings, MemoryBus(memory_broker(TOPICS)))
     with pytest.raises(CheckpointError, match="format_version 9"):
         await asyncio.wait_for(learner.run(), 30)
+
+
+def test_a_checkpoint_holds_the_clients_position_in_its_own_fields(tmp_path: Path) -> None:
+    from rlbus.client import Position
+
+    position = Position(topic="ck.trajectories.scored", offsets={0: 12, 1: 7},
+                        taken=["run/0", "run/1"], submitted=6, steps=3, version=4)
+    learner = {k: v for k, v in fields().items()
+               if k not in {"offsets", "trained", "next_index", "version"}}
+    save_checkpoint(tmp_path, Checkpoint.of(None, position=position, **learner))
+    back = load_checkpoint(tmp_path)
+    assert back is not None and back.format_version == 2  # the format is unchanged
+    assert back.offsets == {("ck.trajectories.scored", 0): 12, ("ck.trajectories.scored", 1): 7}
+    assert back.position("ck.trajectories.scored") == position
+    assert back.position("other.trajectories.scored").offsets == {}
