@@ -72,7 +72,7 @@ class Recording(RlbusRollouts):
 
 
 def capturing_trainer(batches: list[dict[str, Any]]) -> type:
-    class Capturing(trl.GRPOTrainer):  # type: ignore[misc,name-defined]
+    class Capturing(trl.GRPOTrainer):
         """Keeps the batch of each generation: what the loss is computed on."""
 
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
