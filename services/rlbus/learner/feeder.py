@@ -2,7 +2,7 @@
 
 Staleness is bounded by the client's credit window (SkyRL/AReaL pacing,
 :func:`rlbus.client.credit`): a new group is admitted only while
-published < (max_staleness + step + 1) * groups_per_step. Every ``eval_every`` steps the
+submitted < (max_staleness + step + 1) * groups_per_step. Every ``eval_every`` steps the
 same evaluation set (specs drawn from fixed seeds) is published greedily; its episodes carry
 their round in ``Prompt.eval_round`` and come back with it in ``Trajectory.eval_round``.
 """

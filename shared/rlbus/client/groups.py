@@ -42,7 +42,8 @@ class Episode:
     """The behaviour policy's logprob of each sampled token (0.0 elsewhere), as the
     engine reported it at the prompt's sampling temperature."""
     reward: float
-    """The verifier's reward (0.0 for an episode that is not ``valid``)."""
+    """The verifier's reward; meaningless where ``valid`` is False (a failed rollout's is
+    0.0, a verifier may return any value with ``valid=False``): do not train on it."""
     policy_version: int
     """The oldest weight version that sampled any of its tokens (its staleness is the
     trainer's version minus this)."""
@@ -181,9 +182,10 @@ class GroupAssembler:
         """``n`` complete training groups, marked taken: first those whose last chance to
         train within the staleness bound is this step (sampled at ``last_chance``), then
         the rest oldest weights first (ties: the first completed). Groups already past the
-        bound, or with no turn at all, are masked whatever step trains them: they go after
-        the last-chance ones, or they would take their places and make them stale too,
-        and before the younger ones, so they never wait long to be acked."""
+        bound, or with no turn at all, cannot train within it (the trainer masks them; the
+        client masks nothing): they go after the last-chance ones, or they would take their
+        places and make them stale too, and before the younger ones, so they never wait
+        long to be acked."""
         def key(g: Group) -> tuple[bool, int]:
             return (last_chance is None or g.started != last_chance, g.started)
 

@@ -348,7 +348,7 @@ class RolloutClient:
     def _holding(self, n: int) -> bool:
         """Hold the step back while a straggling group's last chance to train within the
         staleness bound is this step, up to ``straggler_wait_s``; past that, go on (the
-        group is masked as stale when it arrives)."""
+        group arrives past the bound; masking it is the trainer's job)."""
         s = self.settings
         if s.straggler_wait_s <= 0:
             return False
@@ -362,8 +362,9 @@ class RolloutClient:
             log.debug("step %d waits for %s", self.steps + 1, ", ".join(due))
         if now - self._held_since < s.straggler_wait_s:
             return True
-        log.warning("step %d waited %.0fs for %s; going on without them (they will be "
-                    "masked as stale)", self.steps + 1, now - self._held_since, ", ".join(due))
+        log.warning("step %d waited %.0fs for %s; going on without them (they will "
+                    "arrive past the staleness bound)", self.steps + 1,
+                    now - self._held_since, ", ".join(due))
         self._count("straggler_timeouts")
         return False
 
@@ -454,8 +455,8 @@ class RolloutClient:
         """Wait until the inference members serve ``version`` (default: the newest
         published): at least ``min_members`` members live (reported within
         ``served_ttl_s``) and every live one at ``version`` or newer. Raises
-        :class:`~rlbus.errors.NotServedError` after ``timeout_s``, naming each live
-        member's version, and :class:`~rlbus.errors.WeightsRefusedError` at once if a live
+        :class:`~rlbus.errors.NotServedError` after ``timeout_s``, naming each
+        lagging member's version, and :class:`~rlbus.errors.WeightsRefusedError` at once if a live
         member refused the version."""
         version = self.version if version is None else version
         reader = await self._served_members()

@@ -36,7 +36,7 @@ class ClientSettings(BaseModel):
     names, shapes and dtypes that published weights must have until a version has been
     published (then that version's file does)."""
     weights_dir: Path = Path("runs/weights")
-    """Weight store: one ``v<version>/model.safetensors`` folder per published version, on
+    """Weight store: one ``v<version, 6 digits>/model.safetensors`` folder per published version, on
     storage every inference member can read at the same path."""
     keep_weights: int = Field(default=3, ge=1)
     """Published versions kept in the weight store (older ones are deleted)."""

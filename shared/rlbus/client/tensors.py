@@ -217,7 +217,7 @@ def check(weights: Prepared, reference: Reference | None, version: int) -> None:
 
 def write_version(weights: Prepared, weights_dir: Path, version: int, keep: int,
                   prefer: set[str]) -> tuple[Path, str]:
-    """Write ``weights`` as ``<weights_dir>/v<version>/model.safetensors`` (to a temporary
+    """Write ``weights`` as ``<weights_dir>/v<version:06d>/model.safetensors`` (to a temporary
     folder first, renamed once complete); returns (folder, sha256). Of tied names, the
     one in ``prefer`` (the reference's) is kept. Keeps the newest ``keep`` versions."""
     folder = weights_dir / f"v{version:06d}"
