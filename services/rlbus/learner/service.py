@@ -22,6 +22,10 @@ groups; each step trains the groups at their last chance first, then the oldest,
 the step (up to ``straggler_wait_s``) for an incomplete group whose last chance it is
 (:mod:`rlbus.client.groups`). Samples older than ``max_staleness`` versions that still reach
 the learner are masked and counted (``masked_stale``).
+
+Metrics: one row per step and one per evaluation round go to ``metrics_file`` and, with the
+same names and values, to the trackers ``tracking`` names (:mod:`rlbus.tracking`), which
+also get the resolved settings as hyperparameters and each step's staleness histogram.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
 from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer, episode_success
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
 from rlbus.service import Service
+from rlbus.tracking.base import Destination, flatten, require
+from rlbus.tracking.composite import Composite, open_tracker
+from rlbus.tracking.wandb_sink import wandb_mode
 from rlbus.transport import Bus
 
 log = logging.getLogger(__name__)
@@ -55,10 +62,14 @@ class Learner(Service[LearnerSettings]):
         super().__init__(settings, bus)
         # an unknown task or a plugin that fails to import: a clear error before any work
         self.task = plugins.task(settings.task) if settings.feed else None
+        require(settings.tracking)  # a tracker's library missing: said before any work
+        self.tracker = Composite([])  # the named trackers, opened in setup
         self.step = 0
         self.version = 0
         self._progress = asyncio.Event()
         self._t0 = time.monotonic()
+        self._last_row_t = self._t0  # throughput: per interval between two steps' rows
+        self._publish_s = 0.0
         self._episodes_trained = 0
         self._masked = dict.fromkeys(MASK_CAUSES, 0)  # episodes masked so far, by cause
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
@@ -97,6 +108,9 @@ class Learner(Service[LearnerSettings]):
         self._trainer = SyntheticTrainer(self.settings) if synthetic else Trainer(self.settings)
         self._position = self._restore(
             await asyncio.to_thread(load_checkpoint, self.settings.checkpoint_dir))
+        self.tracker = await asyncio.to_thread(open_tracker, self.settings.tracking,
+                                               self._destination())
+        self.tracker.hyperparameters(flatten(self.settings.model_dump(mode="json")))
         self._client = await RolloutClient.connect(
             self._client_settings(), self.bus, position=self._position, admit=self._admit,
             on_count=self._counted)
@@ -105,6 +119,18 @@ class Learner(Service[LearnerSettings]):
             self.feeder = Feeder(self.settings, self.task, self.client)
             self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)
+
+    def _destination(self) -> Destination:
+        """Where the trackers write: by default next to the metrics file, under the run's
+        name; secrets never reach them (model_dump masks SecretStr)."""
+        s = self.settings
+        folder = s.tracking_dir or (s.metrics_file.parent if s.metrics_file is not None
+                                    else Path("runs/tracking"))
+        folder = folder.resolve()
+        return Destination(
+            folder=folder, project=s.tracking_project, run=s.tracking_run or s.run_name,
+            wandb_mode=wandb_mode(s.tracking_wandb_mode),
+            mlflow_uri=s.tracking_mlflow_uri or (folder / "mlruns").as_uri())
 
     def _client_settings(self) -> ClientSettings:
         s = self.settings
@@ -172,14 +198,13 @@ class Learner(Service[LearnerSettings]):
         if figures is None:
             return
         self._last_eval = figures
-        if self.settings.metrics_file is not None:  # a row of its own: no training figures in it
-            row = {
-                "step": self.step,
-                "time": round(time.monotonic() - self._t0, 3),
-                "episodes_trained": self._episodes_trained,
-                **figures.row(),
-            }
-            _append_json(self.settings.metrics_file, row)
+        row = {  # a row of its own: no training figures in it
+            "step": self.step,
+            "time": round(time.monotonic() - self._t0, 3),
+            "episodes_trained": self._episodes_trained,
+            **figures.row(),
+        }
+        self._write_row(row)
 
     async def _wait_progress(self) -> None:
         waiter = asyncio.create_task(self._progress.wait())
@@ -202,9 +227,10 @@ class Learner(Service[LearnerSettings]):
         attrs = {"rlbus.step": self.step + 1}
         with telemetry.span("train_step", self.member, links=episodes, attributes=attrs):
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
-        self._record_staleness(groups)
+        staleness = self._record_staleness(groups)
         telemetry.LOSS.record(stats.loss)
         self.step += 1
+        self.tracker.histogram("staleness", staleness, self.step)
         # what entered the loss: masked episodes (stale, failed, invalid) are counted apart
         self._episodes_trained += stats.masks.trained
         for cause, n in stats.masks.by_cause.items():
@@ -221,15 +247,19 @@ class Learner(Service[LearnerSettings]):
             await self._final_eval()
             self.request_stop(f"reached max_steps={self.settings.max_steps}")
 
-    def _record_staleness(self, groups: list[ScoredGroup]) -> None:
-        for g in groups:
-            for e in g.episodes:
-                telemetry.STALENESS.record(self.version - e.policy_version)
+    def _record_staleness(self, groups: list[ScoredGroup]) -> list[float]:
+        """Each episode's staleness (versions behind the learner), recorded; returned too."""
+        values = [float(self.version - e.policy_version) for g in groups for e in g.episodes]
+        for v in values:
+            telemetry.STALENESS.record(v)
+        return values
 
     async def _publish_weights(self) -> None:
+        t0 = time.perf_counter()
         event = await self.client.publish_weights(
             self.trainer.weights(), step=self.step, samples_trained=self._episodes_trained,
             samples_masked=self._masked)
+        self._publish_s = time.perf_counter() - t0
         self.version = event.version
 
     async def _checkpoint(self) -> None:
@@ -249,15 +279,21 @@ class Learner(Service[LearnerSettings]):
         self.bump("checkpoints")
 
     def _record(self, stats: StepStats, waited_s: float, seconds: float) -> None:
+        now = time.monotonic()
+        interval, self._last_row_t = max(now - self._last_row_t, 1e-9), now
         row = {
             "step": self.step,
             "version": self.version,
-            "time": round(time.monotonic() - self._t0, 3),
+            "time": round(now - self._t0, 3),
             "step_seconds": round(seconds, 4),
             "episodes_trained": self._episodes_trained,
             "duplicates_dropped": self.client.assembler.duplicates,
             **stats.row(),
             "waited_s": waited_s,
+            "publish_s": round(self._publish_s, 4),
+            # the learner's throughput since the previous step's row (waiting included)
+            "episodes_per_s": round(stats.masks.trained / interval, 3),
+            "tokens_per_s": round(stats.tokens / interval, 3),
         }
         log.info(
             "step %d v%d reward=%.3f success=%.2f staleness<=%d loss=%.4f",
@@ -268,8 +304,15 @@ class Learner(Service[LearnerSettings]):
             int(stats.staleness_max),
             stats.loss,
         )
+        self._write_row(row)
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        """``row`` to the metrics file and its figures (nulls left out) to the trackers."""
         if self.settings.metrics_file is not None:
             _append_json(self.settings.metrics_file, row)
+        figures = {k: float(v) for k, v in row.items()
+                   if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
+        self.tracker.scalars(figures, row["step"])
 
     async def drain(self) -> None:
         """Checkpoint what was trained since the last checkpoint; untrained work stays."""
@@ -278,6 +321,7 @@ class Learner(Service[LearnerSettings]):
 
     async def close(self) -> None:
         """Under torchrun: release the follower ranks (they exit) and leave the group."""
+        await asyncio.to_thread(self.tracker.close)
         if self._trainer is not None:
             await asyncio.to_thread(self._trainer.close)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from rlbus.settings import ServiceSettings
+from rlbus.tracking.base import TrackingSink
 
 
 class LearnerSettings(ServiceSettings):
@@ -32,6 +35,22 @@ class LearnerSettings(ServiceSettings):
     trained, bounded so a long run's checkpoint does not grow without end)."""
     metrics_file: Path | None = None
     """JSON lines, one per optimizer step (what ``rlbus demo`` plots)."""
+    tracking: Annotated[list[TrackingSink], NoDecode] = []
+    """Experiment trackers that get every metrics row too, a comma list of tensorboard,
+    wandb, mlflow (empty: metrics_file only). Each needs its extra: ``rlbus[tensorboard]``."""
+    tracking_dir: Path | None = None
+    """Where the trackers write (``tensorboard/``, ``wandb/``, ``mlruns/`` below it); None:
+    the folder of metrics_file, or runs/tracking without one."""
+    tracking_project: str = "rlbus"
+    """W&B project and MLflow experiment of the run."""
+    tracking_run: str | None = None
+    """The run's name in the trackers; None: run_name."""
+    tracking_wandb_mode: Literal["offline", "online", "disabled"] | None = None
+    """W&B mode; None: WANDB_MODE if set, else online where WANDB_API_KEY is set, else
+    offline (local run files, uploaded later with ``wandb sync``)."""
+    tracking_mlflow_uri: str | None = None
+    """MLflow tracking URI (a server, a database); None: a file store, ``mlruns/`` under
+    tracking_dir."""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda:0."""
     torch_threads: int | None = 1
@@ -118,3 +137,15 @@ class LearnerSettings(ServiceSettings):
     ``synthetic_step_s`` (load tests of the pipeline without a model)."""
     synthetic_step_s: float = Field(default=0.5, ge=0)
     """Wall time of one synthetic optimizer step."""
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _sink_list(cls, value: object) -> object:
+        """A comma list as people write it, or JSON as :func:`rlbus.settings.settings_env`
+        renders a list; each name once, in order."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list | tuple):
+            return list(dict.fromkeys(str(v).strip() for v in value if str(v).strip()))
+        return value

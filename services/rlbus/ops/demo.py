@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -113,6 +114,7 @@ class Demo:
                 **settings_env(max_steps=self.steps, weights_dir=self.run_dir / "weights",
                                checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
+                **tracking_env(),
             },
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
@@ -147,6 +149,13 @@ class Demo:
         self.procs.stop(first="learner")
         if self.cluster is not None:
             self.cluster.stop()
+
+
+def tracking_env() -> dict[str, str]:
+    """The caller's RLBUS_TRACKING* variables, for the learner: child_env drops every RLBUS_*
+    variable, and ``RLBUS_TRACKING=tensorboard rlbus demo`` means the demo's learner. The
+    trackers write into the run folder (next to metrics.jsonl) unless these say otherwise."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RLBUS_TRACKING")}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

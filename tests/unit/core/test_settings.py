@@ -134,6 +134,9 @@ def _draw(annotation: Any, default: Any, rng: random.Random) -> Any:
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
         return rng.choice([a for a in args if a != default])
+    if origin is list and get_origin(args[0]) is Literal:  # a list of names: some of them
+        names = get_args(args[0])
+        return rng.sample(names, rng.randint(1, len(names)))
     if origin in (UnionType, Union):  # X | None: None is the default or not expressible
         return _draw(next(a for a in args if a is not type(None)), default, rng)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
