@@ -99,6 +99,10 @@ class Task(ABC):
         """Whether the episode solved the task (a metric; default: full reward)."""
         return self.score(spec, actions) >= 1.0
 
+    def validate(self, spec: TaskSpec) -> None:
+        """Raise ValueError (or KeyError) naming what a spec from outside, such as a dataset
+        row, lacks; such a spec is dead-lettered instead of sent. Default: any spec."""
+
 
 @dataclass(frozen=True)
 class Generation:

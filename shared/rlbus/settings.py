@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -120,8 +120,16 @@ def _names_field(cls: type[BaseModel], path: list[str]) -> bool:
         return False
     if len(path) == 1:
         return True
-    sub = field.annotation
-    return isinstance(sub, type) and issubclass(sub, BaseModel) and _names_field(sub, path[1:])
+    sub = section_of(field.annotation)
+    return sub is not None and _names_field(sub, path[1:])
+
+
+def section_of(annotation: object) -> type[BaseModel] | None:
+    """The section (model) class a field holds, an optional one (``X | None``) included."""
+    if isinstance(annotation, type):
+        return annotation if issubclass(annotation, BaseModel) else None
+    models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 else None
 
 
 TIERS_GROUP = "rlbus.tiers"
@@ -159,8 +167,8 @@ def variable_names(cls: type[BaseModel], prefix: str = "RLBUS_") -> list[str]:
     for name, field in cls.model_fields.items():
         var = prefix + name.upper()
         names.append(var)
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
+        sub = section_of(field.annotation)
+        if sub is not None:
             names += variable_names(sub, var + "__")
     return names
 
@@ -331,7 +339,7 @@ def _check_named(fields: Mapping[str, object], env: Mapping[str, str],
     for name, value in fields.items():
         kinds = [f.annotation for c in classes if (f := c.model_fields.get(name)) is not None]
         if isinstance(value, BaseModel) and not any(
-            isinstance(k, type) and isinstance(value, k) for k in kinds
+            (sub := section_of(k)) is not None and isinstance(value, sub) for k in kinds
         ):
             raise TypeError(f"{name}: a {type(value).__name__} is not the {name} section of "
                             "any settings class")

@@ -34,10 +34,12 @@ import asyncio
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlbus import plugins, telemetry
+from rlbus.api import Task
 from rlbus.client import ClientSettings, Position, RolloutClient, ScoredGroup
 from rlbus.client.groups import GroupAssembler
 from rlbus.learner.feeder import Feeder
@@ -46,6 +48,7 @@ from rlbus.learner.stats import EvalStats, StepStats
 from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
 from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer, episode_success
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
+from rlbus.prompt_data import DatasetPosition, PromptSource, dead_letter, load_rows, specs
 from rlbus.service import Service
 from rlbus.tracking.base import Destination, flatten, require
 from rlbus.tracking.composite import Composite, open_tracker
@@ -76,6 +79,7 @@ class Learner(Service[LearnerSettings]):
         self._last_eval: EvalStats | None = None
         self.feeder: Feeder | None = None
         self._position = Position()  # after the last step trained: what a checkpoint keeps
+        self._dataset_position = DatasetPosition()  # the checkpoint's, for the feeder to resume
         # built in setup; None until then, so that close releases it after a setup that failed
         # later on (under torchrun the follower ranks wait for it)
         self._trainer: StepTrainer | None = None
@@ -116,7 +120,7 @@ class Learner(Service[LearnerSettings]):
             on_count=self._counted)
         self.version = self.client.version
         if self.task is not None:
-            self.feeder = Feeder(self.settings, self.task, self.client)
+            self.feeder = await self._make_feeder(self.task)
             self.spawn("feeder", self._feed(self.feeder))
         log.info("learner at step %d, version %d", self.step, self.version)
 
@@ -131,6 +135,26 @@ class Learner(Service[LearnerSettings]):
             folder=folder, project=s.tracking_project, run=s.tracking_run or s.run_name,
             wandb_mode=wandb_mode(s.tracking_wandb_mode),
             mlflow_uri=s.tracking_mlflow_uri or (folder / "mlruns").as_uri())
+
+    async def _make_feeder(self, task: Task) -> Feeder:
+        """The feeder, over the datasets if set (read off the loop; a dataset that cannot
+        feed at all fails here, before anything is sent)."""
+        s = self.settings
+        source = None
+        if s.dataset is not None:
+            rows = await asyncio.to_thread(load_rows, s.dataset)
+            source = PromptSource(rows, s.dataset, task, self._dataset_position)
+        eval_specs = None
+        if s.eval_dataset is not None:
+            rows = await asyncio.to_thread(load_rows, s.eval_dataset)
+            eval_specs, bad = specs(rows, s.eval_dataset, task)
+            for row in bad:
+                log.warning("eval dataset %s", row.error)
+                await dead_letter(self.bus, s.eval_dataset, row)
+            eval_specs = eval_specs[:s.eval_episodes]
+        letter = None if s.dataset is None else partial(dead_letter, self.bus, s.dataset)
+        return Feeder(s, task, self.client, source=source, eval_specs=eval_specs,
+                      dead_letter=letter)
 
     def _client_settings(self) -> ClientSettings:
         s = self.settings
@@ -150,6 +174,8 @@ class Learner(Service[LearnerSettings]):
         self.ledger = [list(step) for step in checkpoint.ledger]
         self._episodes_trained = checkpoint.episodes_trained
         self._masked |= checkpoint.masked_by_cause
+        self._dataset_position = DatasetPosition(checkpoint.dataset_epoch,
+                                                 checkpoint.dataset_index)
         log.info("restored checkpoint: step %d, version %d", self.step, self.version)
         return checkpoint.position(self.topics.scored)
 
@@ -219,6 +245,18 @@ class Learner(Service[LearnerSettings]):
             self._take_evals(await self.client.evaluations())
             if groups and not self.stopping:  # taken, not trained: the position says so
                 await self._train_step(groups)
+            if self._dataset_done() and not self.stopping:
+                await self._checkpoint()
+                await self._final_eval()
+                self.request_stop("the dataset's epochs are done")
+
+    def _dataset_done(self) -> bool:
+        """The dataset is sent and fewer groups than a step's are left untrained (the
+        rest of an epoch that does not fill a step is never trained)."""
+        if self.feeder is None or not self.feeder.exhausted:
+            return False
+        return self.client.submitted - self.step * self.settings.groups_per_step < \
+            self.settings.groups_per_step
 
     async def _train_step(self, groups: list[ScoredGroup]) -> None:
         t0 = time.perf_counter()
@@ -273,10 +311,17 @@ class Learner(Service[LearnerSettings]):
             ledger_first_step=self.step - len(self.ledger) + 1,
             episodes_trained=self._episodes_trained,
             masked_by_cause=self._masked,
+            **self._feeder_position(),
         )
         await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, checkpoint)
         await self.client.commit(position)  # Kafka's offsets follow the checkpoint, never lead it
         self.bump("checkpoints")
+
+    def _feeder_position(self) -> dict[str, int]:
+        """The dataset position to checkpoint: the feeder's, with the count of groups sent
+        (the two move together), else the one restored."""
+        pos = self.feeder.position if self.feeder is not None else self._dataset_position
+        return {"dataset_epoch": pos.epoch, "dataset_index": pos.index}
 
     def _record(self, stats: StepStats, waited_s: float, seconds: float) -> None:
         now = time.monotonic()

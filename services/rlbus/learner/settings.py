@@ -9,6 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
+from rlbus.prompt_data import DatasetSettings
 from rlbus.settings import ServiceSettings
 from rlbus.tracking.base import TrackingSink
 
@@ -122,7 +123,21 @@ class LearnerSettings(ServiceSettings):
     """Every this many steps, roll out a fixed evaluation set greedily (0: never). Eval
     episodes are measured, never trained on, and do not count against the credit window."""
     eval_episodes: int = Field(default=64, ge=1)
-    """Size of the evaluation set (the same task specs every time)."""
+    """Size of the evaluation set (the same task specs every time); with ``eval_dataset``,
+    its first this many valid rows."""
+    dataset: DatasetSettings | None = None
+    """Training prompts from a dataset (``RLBUS_DATASET__PATH`` etc., see
+    :mod:`rlbus.prompt_data`) instead of the task's ``sample``; its position is
+    checkpointed. The run ends at ``max_steps`` or when its epochs are done."""
+    eval_dataset: DatasetSettings | None = None
+    """The held-out evaluation set (``RLBUS_EVAL_DATASET__*``), in file order, never
+    trained on; None: specs the task samples from fixed seeds."""
+    eval_pass_k: int = Field(default=0, ge=0)
+    """pass@k of every evaluation round, besides greedy success: ``eval_pass_n`` samples
+    per problem at the training temperature, scored with the unbiased estimator
+    1 - C(n-c, k)/C(n, k) (any-of-k when n = k). 0: greedy only."""
+    eval_pass_n: int | None = Field(default=None, ge=1)
+    """Samples per problem for pass@k (at least ``eval_pass_k``); None: ``eval_pass_k``."""
     run_name: str = "run"
     """Prefix of group ids; deterministic ids make re-sent prompts recognisable."""
     temperature: float = Field(default=1.0, gt=0)

@@ -18,12 +18,32 @@ class EvalStats:
     success: float
     """Fraction of the round's episodes that met the task's success metric."""
     reward: float
-    """Mean reward of the round's episodes."""
+    """Mean reward of the round's greedy episodes."""
+    pass_at_k: float | None = None
+    """Mean over the problems of the unbiased pass@k estimate (:func:`pass_at_k`) from the
+    round's samples at the training temperature; None: not measured."""
+    pass_k: int | None = None
+    """The k of ``pass_at_k``."""
 
     def row(self) -> dict[str, float]:
-        """The figures by their metrics names."""
-        return {"eval_at_step": self.at_step, "eval_success": self.success,
-                "eval_reward": self.reward}
+        """The figures by their metrics names (pass@k as ``eval_pass_at_k`` with its k in
+        ``eval_pass_k``: names every tracking sink accepts)."""
+        row = {"eval_at_step": self.at_step, "eval_success": self.success,
+               "eval_reward": self.reward}
+        if self.pass_at_k is not None and self.pass_k is not None:
+            row |= {"eval_pass_at_k": self.pass_at_k, "eval_pass_k": self.pass_k}
+        return row
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``c`` succeeded (Chen et
+    al. 2021, "Evaluating Large Language Models Trained on Code"): 1 - C(n-c, k) / C(n, k);
+    with n = k, whether any of the k succeeded."""
+    if n < k:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 @dataclass(frozen=True)

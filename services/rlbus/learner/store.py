@@ -6,7 +6,8 @@ WeightVersion carries and the engines verify before loading. Checkpoint:
 dict of its fields (so that ``torch.load`` alone reads it, as the tests and tools do),
 written to a temporary file, fsynced and renamed.
 
-Checkpoint formats: 2 carries ``format_version``; 1 is the same fields without it (and, in
+Checkpoint formats: 2 carries ``format_version`` (its dataset position fields came later,
+with defaults, so older format-2 files load); 1 is the same fields without it (and, in
 the oldest files, without the ledger and counters), with offsets as ``[[topic, partition],
 offset]`` pairs. Both load; anything else is a :class:`CheckpointError` naming the file.
 """
@@ -111,6 +112,11 @@ class Checkpoint(BaseModel):
     episodes_trained: int = Field(ge=0)
     masked_by_cause: dict[str, int]
     """Episodes masked so far, by cause (:data:`~rlbus.messages.MASK_CAUSES`)."""
+    dataset_epoch: int = Field(default=0, ge=0)
+    """The training dataset's epoch the feeder is in (0 without a dataset)."""
+    dataset_index: int = Field(default=0, ge=0)
+    """Rows of that epoch's permutation the feeder has sent or dead-lettered: with
+    ``next_index``, where a resumed feeder goes on."""
 
     @classmethod
     def of(cls, policy: PolicyState | None, position: Position | None = None,

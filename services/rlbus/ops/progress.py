@@ -131,6 +131,8 @@ def summarize(
         "reward_end": _window(rows, "reward_mean"),
         "staleness_max": max((int(r.get("staleness_max") or 0) for r in rows), default=0),
         "eval_success": evaluations(rows),
+        "eval_pass_at_k": evaluations(rows, "eval_pass_at_k"),
+        "eval_pass_k": next((r["eval_pass_k"] for r in rows if "eval_pass_k" in r), None),
         "greedy_target": first_at_target(rows),
         "masked_total": _masked(rows),
         "masked_by_cause": {c: sum(int(r.get(f"masked_{c}") or 0) for r in rows)
@@ -140,9 +142,10 @@ def summarize(
     }
 
 
-def evaluations(rows: list[dict[str, Any]]) -> dict[int, float]:
-    """Greedy success on the fixed evaluation set, by the step it was taken at."""
-    return {int(r["eval_at_step"]): r["eval_success"] for r in rows if "eval_at_step" in r}
+def evaluations(rows: list[dict[str, Any]], figure: str = "eval_success") -> dict[int, float]:
+    """An evaluation figure (greedy success on the fixed evaluation set, or pass@k), by the
+    step it was taken at."""
+    return {int(r["eval_at_step"]): r[figure] for r in rows if figure in r}
 
 
 def first_at_target(rows: list[dict[str, Any]], target: float = TARGET) -> dict[str, Any] | None:

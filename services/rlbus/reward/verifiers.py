@@ -7,8 +7,9 @@ names one; otherwise the task's ``score`` recomputes the outcome from the action
 (:mod:`.pool`), never on its event loop.
 
 Built-ins: ``exact_match`` and ``numeric`` compare the final action with ``spec["answer"]``;
-``python_tests`` runs it as a program against ``spec["tests"]`` in the sandbox
-(:mod:`.code_verifier`).
+``math_answer`` compares the final answers as :func:`rlbus.math_task.extract_answer`
+reads them (GSM8K's ``#### 72``, else the last number); ``python_tests`` runs it as a
+program against ``spec["tests"]`` in the sandbox (:mod:`.code_verifier`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from rlbus import plugins
 from rlbus.api import Task, Verdict, Verifier
 from rlbus.code_verifier import python_tests
+from rlbus.math_task import math_answer
 from rlbus.messages import Trajectory
 from rlbus.tasks import exact_match, numeric_answer
 
@@ -58,6 +60,14 @@ class NumericAnswer(_FinalAnswer):
 
     def check(self, answer: str, text: str) -> float:
         return numeric_answer(answer, text)
+
+
+class MathAnswer(_FinalAnswer):
+    """1.0 when the final action's answer equals ``spec["answer"]``'s, both read as
+    :func:`rlbus.math_task.extract_answer` reads them (exact match of the numbers)."""
+
+    def check(self, answer: str, text: str) -> float:
+        return math_answer(answer, text)
 
 
 class PythonTestsVerifier(Verifier):

@@ -126,7 +126,8 @@ def test_rlbus_run_reward_starts_with_a_variable_meant_for_another_tier():
 
 STRINGS = ["x", "a b=c,d", "ünïcode", "h1:9093,h2:9094", '{"looks": "json"}', "123", "null"]
 PATHS = [Path("/tmp/rlbus run/ß"), Path("relative/dir")]
-DICTS = [{"a": 1}, {"nested": {"b": [1.5, "x", None]}, "flag": True, "s": "true"}]
+DICTS = [{"a": 1}, {"question": "q", "answer": "a b"},  # the second: a dict[str, str] too
+         {"nested": {"b": [1.5, "x", None]}, "flag": True, "s": "true"}]
 
 
 def _draw(annotation: Any, default: Any, rng: random.Random) -> Any:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from rlbus.learner.stats import EvalStats, MaskCounts, StepStats, UpdateStats
+import pytest
+
+from rlbus.learner.stats import EvalStats, MaskCounts, StepStats, UpdateStats, pass_at_k
 
 MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0})
 
@@ -44,3 +46,11 @@ def test_a_synthetic_step_row_has_a_zero_loss_and_no_advantage_figures() -> None
 def test_an_evaluation_round_keeps_its_metrics_names() -> None:
     row = EvalStats(at_step=4, success=0.5, reward=0.75).row()
     assert row == {"eval_at_step": 4, "eval_success": 0.5, "eval_reward": 0.75}
+
+
+def test_pass_at_k_is_the_unbiased_estimate_and_any_of_k_when_n_is_k() -> None:
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0  # any of k
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # pass@1: the success rate
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    with pytest.raises(ValueError):
+        pass_at_k(1, 0, 2)

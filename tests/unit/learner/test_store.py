@@ -32,7 +32,8 @@ def fields(**over: Any) -> dict[str, Any]:
     return {"step": 3, "version": 4, "next_index": 6, "offsets": {("scored", 0): 12},
             "trained": ["run/0", "run/1"], "ledger": [["run/1/0", "run/1/1"]],
             "ledger_first_step": 3, "episodes_trained": 6,
-            "masked_by_cause": {"stale": 1, "failed": 0, "invalid": 2}} | over
+            "masked_by_cause": {"stale": 1, "failed": 0, "invalid": 2},
+            "dataset_epoch": 1, "dataset_index": 5} | over
 
 
 def write(folder: Path, raw: object) -> Path:
@@ -58,6 +59,14 @@ def test_a_synthetic_learners_checkpoint_has_no_policy(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, Checkpoint.of(None, **fields()))
     back = load_checkpoint(tmp_path)
     assert back is not None and back.policy is None and back.model is None
+
+
+def test_a_format_2_checkpoint_without_a_dataset_position_loads_at_its_start(
+        tmp_path: Path) -> None:
+    old = {k: v for k, v in fields().items() if not k.startswith("dataset_")}
+    write(tmp_path, {"format_version": 2, **old})
+    back = load_checkpoint(tmp_path)
+    assert back is not None and (back.dataset_epoch, back.dataset_index) == (0, 0)
 
 
 def test_no_file_is_no_checkpoint(tmp_path: Path) -> None:
