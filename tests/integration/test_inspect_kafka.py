@@ -251,3 +251,38 @@ async def test_rlbus_feed_publishes_a_prompt_file(env, tmp_path, kafka_bootstrap
         (m.group_id, m.task, m.group_size) for _, m, _ in inspection.decoded(records, Prompt)
     )
     assert prompts == [("feed/1", "guess_number", 4), ("mine/1", "addition", 4)]
+
+
+async def test_rlbus_feed_publishes_a_dataset_and_dead_letters_its_bad_rows(env, tmp_path,
+                                                                        kafka_bootstrap):
+    """A parquet dataset through the task's column mapping and template; the row whose
+    answer is missing goes to the dead-letter topic with its number, the others are sent."""
+    from datasets import Dataset
+
+    from rlbus.messages import DeadLetter
+
+    bus, topics = env
+    rows = [{"q": "What is 2 + 3?", "a": "#### 5"}, {"q": "What is 7 - 4?", "a": None},
+            {"q": "What is 6 * 7?", "a": "6 * 7 = 42\n#### 42"}]
+    path = tmp_path / "math.parquet"
+    Dataset.from_list(rows).to_parquet(str(path))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlbus.ops.cli", "feed", str(path),
+        "--task", "rlbus.math_task:gsm8k", "--columns", '{"q": "question", "a": "answer"}',
+        "--template", "Solve: {q}", "--epochs", "2", "--group-size", "2",
+        env=child_env(_settings_env(kafka_bootstrap, topics)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert b"published 4 prompt(s)" in out and b"2 bad row(s)" in out, out
+    prompts = [m for _, m, _ in inspection.decoded(
+        await inspection.read_topic(bus, topics.prompts), Prompt)]
+    assert sorted(p.spec["prompt"] for p in prompts) == [
+        "Solve: What is 2 + 3?", "Solve: What is 2 + 3?",
+        "Solve: What is 6 * 7?", "Solve: What is 6 * 7?"]
+    assert {p.group_size for p in prompts} == {2}
+    letters = [m for _, m, _ in inspection.decoded(
+        await inspection.read_topic(bus, topics.dlq), DeadLetter)]
+    assert [(d.source_topic, d.offset, d.reason) for d in letters] == [
+        (f"dataset:{path}", 1, "invalid")] * 2  # once per epoch
+    assert letters[0].error == "row 1: missing column(s) a"

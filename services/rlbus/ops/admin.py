@@ -14,7 +14,17 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from rlbus import plugins
+from rlbus.errors import PluginError
 from rlbus.messages import Prompt, Sampling
+from rlbus.prompt_data import (
+    BadRow,
+    DatasetError,
+    DatasetSettings,
+    PromptSource,
+    dead_letter,
+    load_rows,
+)
 from rlbus.settings import ServiceSettings, tiers
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus, admin_client
@@ -69,7 +79,42 @@ def read_prompts(path: Path, args: argparse.Namespace) -> list[Prompt]:
     return prompts
 
 
+def dataset_settings(args: argparse.Namespace) -> DatasetSettings:
+    """The dataset the flags describe; a clear exit on a bad flag."""
+    try:
+        return DatasetSettings(
+            path=Path(args.file), format=args.format, split=args.split,
+            columns=json.loads(args.columns), template=args.template,
+            system_prompt=args.system_prompt, epochs=args.epochs,
+            shuffle_seed=args.shuffle_seed)
+    except (json.JSONDecodeError, ValidationError) as exc:
+        raise SystemExit(f"rlbus feed: bad dataset options: {exc}") from None
+
+
+def read_dataset(args: argparse.Namespace) -> tuple[list[Prompt], list[BadRow]]:
+    """Every epoch's rows as prompts of ``args.task`` (group ids ``<run>/<n>``), and the
+    rows that make no spec. A file that cannot feed at all, or an unknown task, exits."""
+    s = dataset_settings(args)
+    try:
+        task = plugins.task(args.task)
+        source = PromptSource(load_rows(s), s, task)
+    except (PluginError, DatasetError) as exc:
+        raise SystemExit(f"rlbus feed: {exc}") from None
+    sampling = Sampling(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    prompts: list[Prompt] = []
+    bad: list[BadRow] = []
+    while (item := source.next()) is not None:
+        if isinstance(item, BadRow):
+            bad.append(item)
+            continue
+        prompts.append(Prompt(group_id=f"{args.run_name}/{len(prompts)}", task=args.task,
+                              spec=item, group_size=args.group_size, sampling=sampling))
+    return prompts, bad
+
+
 async def feed_command(args: argparse.Namespace) -> int:
+    if args.task is not None:
+        return await feed_dataset(args)
     path = Path(args.file)
     prompts = read_prompts(path, args)  # before connecting: a bad file costs no broker call
     s = AdminSettings()
@@ -82,6 +127,27 @@ async def feed_command(args: argparse.Namespace) -> int:
     finally:
         await bus.close()
     print(f"published {len(prompts)} prompt(s) to {topics.prompts}")
+    return 0
+
+
+async def feed_dataset(args: argparse.Namespace) -> int:
+    prompts, bad = read_dataset(args)  # read and mapped before connecting
+    s = AdminSettings()
+    topics = Topics(s.topics)
+    bus = KafkaBus(s.kafka, dlq_topic=topics.dlq, service="feed")
+    data = dataset_settings(args)
+    try:
+        producer = await bus.producer()
+        for row in bad:
+            await dead_letter(bus, data, row)
+        for p in prompts:
+            await producer.send(topics.prompts, p, key=p.group_id)
+    finally:
+        await bus.close()
+    print(f"published {len(prompts)} prompt(s) to {topics.prompts}"
+          + (f"; {len(bad)} bad row(s) dead-lettered to {topics.dlq}" if bad else ""))
+    for row in bad[:5]:
+        print(f"  {row.error}", file=sys.stderr)
     return 0
 
 

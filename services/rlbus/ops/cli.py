@@ -70,12 +70,28 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     init.add_argument("--force", action="store_true", help="replace a non-empty folder")
 
-    feed = sub.add_parser("feed", help="publish prompts from a JSON-lines file")
-    feed.add_argument("file", help='one JSON object per line: {"task": ..., "spec": {...}}')
+    feed = sub.add_parser(
+        "feed", help="publish prompts from a file: prompts, or a dataset with --task",
+        description="Without --task, FILE holds one prompt per line: {\"task\": ..., "
+        "\"spec\": {...}}, checked whole before anything is sent. With --task, FILE is a "
+        "dataset (.parquet, .jsonl, or a save_to_disk folder) whose rows become that task's "
+        "specs; a row that makes no spec is dead-lettered and the feed goes on.")
+    feed.add_argument("file", help="a prompts .jsonl file, or a dataset with --task")
     feed.add_argument("--group-size", type=int, default=8)
     feed.add_argument("--run-name", default="feed")
     feed.add_argument("--max-new-tokens", type=int, default=16)
     feed.add_argument("--temperature", type=float, default=1.0)
+    data = feed.add_argument_group("dataset (with --task)")
+    data.add_argument("--task", help="the installed task every row is a spec of")
+    data.add_argument("--format", choices=("auto", "parquet", "jsonl", "arrow"), default="auto")
+    data.add_argument("--split", default="train", help="split of a DatasetDict folder")
+    data.add_argument("--columns", default="{}",
+                      help='JSON: column -> spec key, e.g. \'{"question": "question"}\'')
+    data.add_argument("--template", help="str.format template over a row: spec['prompt']")
+    data.add_argument("--system-prompt", help="spec['system_prompt'] of every row")
+    data.add_argument("--epochs", type=int, default=1)
+    data.add_argument("--shuffle-seed", type=int, default=None,
+                      help="shuffle each epoch with this seed (default: file order)")
 
     replay = sub.add_parser("replay", help="print a topic's messages as JSON lines, or re-publish")
     replay.add_argument("topic", help="full name or catalogue name, e.g. trajectories")
