@@ -80,6 +80,31 @@ async def test_a_learner_killed_mid_epoch_trains_every_row_once(tmp_path):
 
 
 @pytest.mark.slow
+async def test_a_learner_dead_past_its_checkpoint_trains_every_row_once(tmp_path):
+    """A crash: the steps trained after the last checkpoint die with the process. The next
+    learner resumes from that checkpoint (model, offsets and dataset position): it submits
+    the same rows again under the same group ids, drops the copies that were already
+    scored, and every row of the epoch ends up trained exactly once."""
+    broker = memory_broker(TOPICS)
+    checkpoint = tmp_path / "ckpt" / "checkpoint.pt"
+    first = Learner(_learner(tmp_path, max_steps=2), MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([first, *_others(broker)], lambda: first.stopping, limit_s=60)
+    saved, at = checkpoint.read_bytes(), first.step
+    assert at == 2
+
+    doomed = Learner(_learner(tmp_path, max_steps=5), MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([doomed, *_others(broker)], lambda: doomed.stopping, limit_s=60)
+    assert doomed.step == 5
+    checkpoint.write_bytes(saved)  # what it trained after step `at` was never checkpointed
+
+    last = Learner(_learner(tmp_path), MemoryBus(broker, dlq_topic=T.dlq))
+    await run_until([last, *_others(broker)], lambda: last.stopping, limit_s=60)
+    assert last.step == 9
+    shipped = [json.loads(line)["question"] for line in SHIPPED.read_text().splitlines()]
+    assert sorted(_trained_questions(broker, last)) == sorted(shipped)
+
+
+@pytest.mark.slow
 async def test_held_out_rows_are_evaluated_greedily_and_with_pass_at_k(tmp_path):
     broker = memory_broker(TOPICS)
     held_out = DatasetSettings(path=SHIPPED, shuffle_seed=None)
