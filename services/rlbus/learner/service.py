@@ -46,6 +46,7 @@ from rlbus.learner.feeder import Feeder
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.stats import EvalStats, StepStats
 from rlbus.learner.store import Checkpoint, load_checkpoint, save_checkpoint
+from rlbus.learner.throughput import TierThroughput
 from rlbus.learner.trainer import StepTrainer, SyntheticTrainer, Trainer, episode_success
 from rlbus.messages import MASK_CAUSES, ScoredTrajectory, Trajectory
 from rlbus.prompt_data import DatasetPosition, PromptSource, dead_letter, load_rows, specs
@@ -119,6 +120,8 @@ class Learner(Service[LearnerSettings]):
             self._client_settings(), self.bus, position=self._position, admit=self._admit,
             on_count=self._counted)
         self.version = self.client.version
+        self.throughput = TierThroughput(self.bus, self.topics,
+                                         self.settings.throughput_every_s)
         if self.task is not None:
             self.feeder = await self._make_feeder(self.task)
             self.spawn("feeder", self._feed(self.feeder))
@@ -244,6 +247,7 @@ class Learner(Service[LearnerSettings]):
             groups = await self.client.receive(self.settings.groups_per_step, timeout_s=0.5)
             self._take_evals(await self.client.evaluations())
             if groups and not self.stopping:  # taken, not trained: the position says so
+                self.throughput.scored_received += sum(len(g.episodes) for g in groups)
                 await self._train_step(groups)
             if self._dataset_done() and not self.stopping:
                 await self._checkpoint()
@@ -277,6 +281,7 @@ class Learner(Service[LearnerSettings]):
         self._position = self.client.position()  # every group taken so far is trained now
         self.ledger.append([e.episode_id for g in groups for e in g.episodes])
         del self.ledger[:-self.settings.ledger_steps]  # bounded: the last ledger_steps steps
+        await self.throughput.sample()
         self._record(stats, round(waited, 3), time.perf_counter() - t0)
         if self.step % self.settings.checkpoint_every == 0 or self.step >= self.settings.max_steps:
             await self._checkpoint()
@@ -339,6 +344,7 @@ class Learner(Service[LearnerSettings]):
             # the learner's throughput since the previous step's row (waiting included)
             "episodes_per_s": round(stats.masks.trained / interval, 3),
             "tokens_per_s": round(stats.tokens / interval, 3),
+            **self.throughput.rates(),  # the other tiers' (see .throughput)
         }
         log.info(
             "step %d v%d reward=%.3f success=%.2f staleness<=%d loss=%.4f",

@@ -52,6 +52,9 @@ class LearnerSettings(ServiceSettings):
     tracking_mlflow_uri: str | None = None
     """MLflow tracking URI (a server, a database); None: a file store, ``mlruns/`` under
     tracking_dir."""
+    throughput_every_s: float = Field(default=10.0, gt=0)
+    """How often the per-tier throughput in the metrics rows is measured (end offsets of
+    the tiers' topics: one short broker call each time)."""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda:0."""
     torch_threads: int | None = 1
