@@ -396,7 +396,9 @@ class RolloutClient:
                               min_members: int = 1) -> WeightVersion:
         """Publish ``weights`` as the next version: a torch state dict, a torch module (a
         Hugging Face model is one), or a folder (or file) of safetensors; None announces a
-        version with no files (the synthetic engine's load tests).
+        version with no files (the synthetic engine's load tests). A model wrapped in
+        DistributedDataParallel or compiled by ``torch.compile`` may be passed as it is: the
+        prefix the wrapper puts on every name is taken off.
 
         The tensors must have the names, shapes and dtypes of the previous version (or,
         before the first, of the served model folder ``model_path``; a floating-point

@@ -107,7 +107,21 @@ def prepare(source: Any) -> Prepared:
     if not isinstance(state, Mapping):
         raise TypeError(f"weights are a state dict, a torch module or a folder, not a "
                         f"{type(source).__name__}")
-    return _from_tensors(state)
+    return _from_tensors(unwrapped(state))
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""What DistributedDataParallel (and DataParallel) and ``torch.compile`` put before every
+parameter name of the model they wrap; the engines load the plain model's names."""
+
+
+def unwrapped(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` with a wrapper's prefix taken off, where every name carries it (nested
+    wrappers too: a compiled model inside DDP)."""
+    for prefix in WRAPPER_PREFIXES:
+        if state and all(name.startswith(prefix) for name in state):
+            return unwrapped({name.removeprefix(prefix): t for name, t in state.items()})
+    return state
 
 
 def _from_path(path: Path) -> Prepared:
