@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rlbus.errors import Refusal, bounded
 from rlbus.messages import DeadLetter
-from rlbus.transport.interfaces import Bus, Producer, RawRecord
+from rlbus.transport.interfaces import Bus, DeadLetters, Producer, RawRecord
 
 LETTER_OVERHEAD_BYTES = 1024
 """Room kept for a letter's own fields (names, offsets, msgpack framing)."""
@@ -27,6 +27,10 @@ class DeadLetterSink:
         self.producer = producer
         self.topic = topic
         self.service = service
+
+    @property
+    def closed(self) -> bool:
+        return self.producer.closed
 
     async def put(self, raw: RawRecord, refusal: Refusal) -> None:
         error = bounded(refusal.detail)
@@ -58,8 +62,13 @@ class DeadLetterSink:
         await self.producer.send(self.topic, letter, key=raw.topic, headers=headers)
 
 
-async def sink_of(bus: Bus) -> DeadLetterSink | None:
-    """The sink of ``bus``'s dead-letter topic, on its producer; None if it has none."""
+async def sink_of(bus: Bus) -> DeadLetters | None:
+    """The sink of ``bus``'s dead-letter topic, None if it has none: made on the first call,
+    on a producer of its own, and shared by every later one (a consumer each, a dataset's
+    bad rows one by one), so that dead letters never open a producer apiece."""
     if bus.dlq_topic is None:
         return None
-    return DeadLetterSink(await bus.producer(), bus.dlq_topic, bus.service)
+    async with bus.dead_letters_made:
+        if bus.dead_letters is None or bus.dead_letters.closed:  # a bus used after close
+            bus.dead_letters = DeadLetterSink(await bus.producer(), bus.dlq_topic, bus.service)
+    return bus.dead_letters

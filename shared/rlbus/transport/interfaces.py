@@ -139,6 +139,11 @@ class DeadLetters(Protocol):
 
     async def put(self, raw: RawRecord, refusal: Refusal) -> None: ...
 
+    @property
+    def closed(self) -> bool:
+        """True once its producer is closed (with its bus): a new sink is needed."""
+        ...
+
 
 class Producer(ABC):
     """Publishes typed messages; ``send`` returns once the broker has the record.
@@ -389,6 +394,12 @@ class Bus(ABC):
         self.max_message_bytes = max_message_bytes
         self.limits = Limits()
         """Decode limits of every consumer this bus makes (a service sets its own)."""
+        self.dead_letters: DeadLetters | None = None
+        """The sink of ``dlq_topic``, made once it is first needed: one producer for the
+        dead letters of every consumer and caller of this bus
+        (:func:`rlbus.transport.deadletter.sink_of`)."""
+        self.dead_letters_made = asyncio.Lock()
+        """Held while the sink is made, so that concurrent first uses make one."""
 
     @abstractmethod
     async def producer(self, *, transactional_id: str | None = None) -> Producer: ...
