@@ -391,10 +391,11 @@ async def one_round(model: Any, folder: Path, version: int, producer: Producer,
     """The learner's side, the event, then the replica's side, each timed."""
     from safetensors.torch import load_model
 
+    from rlbus.client import tensors
     from rlbus.learner import store
     from rlbus.weights import verified_weights
 
-    with hash_timer(store) as hashes:
+    with hash_timer(tensors) as hashes:  # the module of the writer save_weights uses
         saved_s, (path, digest) = _timed(store.save_weights, model, folder, version, 1)
     event = WeightVersion(model="cost", version=version, uri=str(path), checksum=digest, step=0)
     sent_s, arrived_s = await publish(producer, events, topic, event)
@@ -409,8 +410,9 @@ async def one_round(model: Any, folder: Path, version: int, producer: Producer,
 
 @contextlib.contextmanager
 def hash_timer(store: Any) -> Iterator[list[float]]:
-    """Seconds of each ``sha256_file`` call the weight store makes inside the block: the
-    hash of ``save_weights`` timed apart from its write, with the store's own code."""
+    """Seconds of each ``sha256_file`` call the weight writer's module ``store`` makes
+    inside the block: the hash of ``save_weights`` timed apart from its write, with the
+    writer's own code."""
     original, seconds = store.sha256_file, []
 
     def timed(path: Path) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,36 +23,20 @@ from typing import Annotated, Any, Final, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
-from safetensors.torch import save_model
 from torch import nn
 
 from rlbus.client import Position
+from rlbus.client.tensors import prepare, write_version
 from rlbus.errors import FatalError
 from rlbus.messages import MASK_CAUSES
-from rlbus.weights import WEIGHTS_FILE, sha256_file
 
 
 def save_weights(model: nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
     """Write version ``version``; returns (folder, sha256). Keeps the newest ``keep``.
-    The store's writer for tools and benchmarks; a trainer (the learner included)
-    publishes through :meth:`rlbus.client.RolloutClient.publish_weights`, which checks the
-    tensors first and writes the same layout."""
-    folder = weights_dir / f"v{version:06d}"
-    tmp = weights_dir / f".v{version:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied embeddings
-    digest = sha256_file(tmp / WEIGHTS_FILE)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    _prune(weights_dir, keep)
-    return folder, digest
-
-
-def _prune(weights_dir: Path, keep: int) -> None:
-    versions = sorted(p for p in weights_dir.iterdir() if p.name.startswith("v"))
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    The store's writer for tools and benchmarks, without the checks: the same writer as
+    :meth:`rlbus.client.RolloutClient.publish_weights`, which a trainer (the learner
+    included) publishes through."""
+    return write_version(prepare(model), weights_dir, version, keep, prefer=set())
 
 
 CHECKPOINT = "checkpoint.pt"
