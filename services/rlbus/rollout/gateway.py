@@ -16,18 +16,48 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from rlbus.errors import RefusalReason, RefusedError
 from rlbus.rollout.sessions import Session
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What one gateway holds at most (the rollout tier's ``gateway_*`` settings)."""
+
+    max_sessions: int = 1024
+    """Sessions (episodes) open at once; one more fails its episode with the reason."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body read; a bigger one is a 413 before it is held in memory."""
+    max_session_tokens: int = 1 << 20
+    """Tokens one session may record; a call past it is a 400 ``session_too_long``."""
+    idle_timeout_s: float = 300.0
+    """A session with no call for this long fails its episode (the agent is stopped)."""
+
+
+class TooManySessions(RefusedError):
+    """The gateway has its bound of open sessions: this episode fails with the reason."""
+
+    reason = RefusalReason.OVER_LIMIT
+
+
+class SessionIdle(RefusedError):
+    """A session had no call for longer than its bound: its episode fails."""
+
+    reason = RefusalReason.OVER_LIMIT
+
+
 class Gateway:
     """The sessions of one rollout instance and the HTTP server that serves them."""
 
-    def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, model: str, host: str = "127.0.0.1", port: int = 0,
+                 bounds: Bounds | None = None) -> None:
         self.model, self.host, self.port = model, host, port
+        self.bounds = bounds or Bounds()
         self.sessions: dict[str, Session] = {}
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -41,6 +71,11 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def session(self, **kwargs: Any) -> AsyncIterator[Session]:
+        if len(self.sessions) >= self.bounds.max_sessions:
+            raise TooManySessions(f"the gateway has {len(self.sessions)} open sessions, its "
+                                  "bound (RLBUS_GATEWAY_MAX_SESSIONS): raise it, or lower "
+                                  "RLBUS_MAX_CONCURRENT_EPISODES")
+        kwargs.setdefault("max_tokens", self.bounds.max_session_tokens)
         s = Session(id=f"rlbus-{uuid.uuid4().hex}", **kwargs)
         self.sessions[s.id] = s
         try:
@@ -48,12 +83,36 @@ class Gateway:
         finally:
             self.sessions.pop(s.id, None)
 
+    async def run(self, session: Session, agent: Any) -> Any:
+        """Await ``agent`` (the episode's agent code) while ``session`` is in use: if it
+        makes no call for ``idle_timeout_s``, the agent is cancelled and
+        :class:`SessionIdle` raised (what it recorded stays in ``session.turns``)."""
+        task = asyncio.ensure_future(agent)
+        limit = self.bounds.idle_timeout_s
+        try:
+            while True:
+                idle = session.idle_s()
+                done, _ = await asyncio.wait({task}, timeout=max(limit - idle, 0.0) + 0.05)
+                if done:
+                    return task.result()
+                if session.idle_s() >= limit:
+                    session.failed = session.failed or (
+                        f"the session made no call for {limit:g} s "
+                        "(RLBUS_GATEWAY_IDLE_TIMEOUT_S)")
+                    raise SessionIdle(session.failed)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
     async def start(self) -> None:
         import uvicorn
 
         from rlbus.rollout.gateway_app import make_app
 
-        config = uvicorn.Config(make_app(self.model, self.sessions), host=self.host, port=self.port,
+        app = make_app(self.model, self.sessions, max_body_bytes=self.bounds.max_body_bytes)
+        config = uvicorn.Config(app, host=self.host, port=self.port,
                                 log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the service owns signals

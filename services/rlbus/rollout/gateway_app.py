@@ -1,20 +1,27 @@
 """The gateway's HTTP surface (FastAPI): routes, authentication by session, OpenAI-style
-errors. Every failure is an ``{"error": {...}}`` body with a 4xx status, never a 500 or a
-hung connection: malformed JSON and unknown fields are 400, an unknown session 401, an
-unknown model 404, a second concurrent call of one session 409. A client that disconnects
-mid-call cancels its generation, and its episode fails."""
+errors, server-sent events. Every failure is an ``{"error": {...}}`` body with a 4xx
+status, never a 500 or a hung connection: malformed JSON and unknown fields are 400, an
+unknown session 401, an unknown model 404, a second concurrent call of one session 409.
+
+A client that disconnects mid-call cancels that call's generation: nothing of it is
+recorded, what was recorded before stays, and the session goes on (a client that retries
+continues it). A streamed call is generated whole and recorded first, then sent as events
+(the engines answer a step request at once, not token by token over Kafka), so the
+recorded tokens are the same whether the client streamed or not, and a client that goes
+away mid-stream loses nothing that was recorded."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
@@ -33,7 +40,8 @@ def _validation(exc: ValidationError | RequestValidationError) -> GatewayError:
     return GatewayError(400, f"invalid {loc or 'request'}: {err.get('msg')}", param=loc or None)
 
 
-def make_app(model: str, sessions: Mapping[str, Session]) -> FastAPI:
+def make_app(model: str, sessions: Mapping[str, Session], *,
+             max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
     """The routes of a gateway serving ``model`` to the open ``sessions`` (by id)."""
     app = FastAPI(title="rlbus gateway", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -67,20 +75,20 @@ def make_app(model: str, sessions: Mapping[str, Session]) -> FastAPI:
     app.get("/v1/models")(models)
     app.get("/s/{session_id}/v1/models")(models)
 
-    async def chat(request: Request, session_id: str | None = None) -> JSONResponse:
+    async def chat(request: Request, session_id: str | None = None) -> Response:
         session = _session(sessions, request, session_id)
-        req = await _parse(request)
+        req = await _parse(request, max_body_bytes)
         if req.model != model:
             raise GatewayError(404, f"the model {req.model!r} does not exist; this gateway "
                                     f"serves {model!r}", code=GatewayCode.MODEL_NOT_FOUND,
                                param="model")
-        if req.n not in (None, 1):
-            raise GatewayError(400, "n must be 1: each completion is one turn of one episode",
-                               code=GatewayCode.UNSUPPORTED_PARAMETER, param="n")
+        completion = await _until_disconnect(request, session.complete(req))
         if req.stream:
-            raise GatewayError(400, "stream is not supported",
-                               code=GatewayCode.UNSUPPORTED_PARAMETER, param="stream")
-        return JSONResponse(await _until_disconnect(request, session, session.complete(req)))
+            return sse(itertools.chain(
+                (f"data: {json.dumps(c)}\n\n" for c in chat_chunks(completion,
+                                                                    req.include_usage)),
+                ["data: [DONE]\n\n"]))
+        return JSONResponse(completion)
 
     app.post("/v1/chat/completions")(chat)
     app.post("/s/{session_id}/v1/chat/completions")(chat)
@@ -99,26 +107,25 @@ def _session(sessions: Mapping[str, Session], request: Request,
     return session
 
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
-"""Largest request body read; a bigger one is a 413 before it is held in memory."""
-
-
-async def _read_body(request: Request) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; a 413 naming the bound once it passes ``limit`` bytes (declared
+    or streamed), before more of it is held in memory."""
+    too_large = GatewayError(413, f"the request body is over {limit} bytes "
+                                  "(RLBUS_GATEWAY_MAX_BODY_BYTES)",
+                             code=GatewayCode.REQUEST_TOO_LARGE)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                           code=GatewayCode.REQUEST_TOO_LARGE)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                               code=GatewayCode.REQUEST_TOO_LARGE)
+        if len(body) > limit:
+            raise too_large
     return bytes(body)
 
 
-async def _parse(request: Request) -> ChatRequest:
-    body = await _read_body(request)
+async def _parse(request: Request, limit: int) -> ChatRequest:
+    body = await read_body(request, limit)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -131,8 +138,8 @@ async def _parse(request: Request) -> ChatRequest:
         raise _validation(exc) from None
 
 
-async def _until_disconnect(request: Request, session: Session, work: Any) -> Any:
-    """Run ``work``; if the client goes away first, cancel it and fail the episode."""
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (nothing of it is recorded)."""
     task = asyncio.ensure_future(work)
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -140,6 +147,50 @@ async def _until_disconnect(request: Request, session: Session, work: Any) -> An
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            session.failed = session.failed or "the client disconnected mid-call"
-            raise GatewayError(499, session.failed, code=GatewayCode.CLIENT_DISCONNECTED)
+            raise GatewayError(499, "the client disconnected mid-call; nothing of this call "
+                                    "was recorded", code=GatewayCode.CLIENT_DISCONNECTED)
     return task.result()
+
+
+def sse(events: Iterable[str]) -> StreamingResponse:
+    """Server-sent events, each already framed (``data: ...\\n\\n``)."""
+    return StreamingResponse(iter(events), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
+
+
+STREAM_PIECE = 16
+"""Characters of content (or tool-call arguments) per streamed delta."""
+
+
+def _pieces(text: str) -> list[str]:
+    return [text[i:i + STREAM_PIECE] for i in range(0, len(text), STREAM_PIECE)]
+
+
+def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
+    """A chat.completion as the ``chat.completion.chunk`` objects OpenAI streams: the role,
+    content deltas, each tool call's id and name then its argument deltas, the finish
+    reason, the usage chunk (``stream_options.include_usage``), then ``[DONE]``."""
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk"
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        c = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in _pieces(message.get("content") or ""):
+        yield chunk({"content": piece})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        fn = call["function"]
+        yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                     "function": {"name": fn["name"], "arguments": ""}}]})
+        for piece in _pieces(fn["arguments"]):
+            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+    yield chunk({}, choice["finish_reason"])
+    if include_usage:
+        yield {**head, "choices": [], "usage": completion["usage"]}

@@ -32,7 +32,7 @@ from rlbus.api import (
 from rlbus.errors import PluginError, Refusal, RefusalReason, RefusedError
 from rlbus.limits import check_prompt
 from rlbus.messages import Prompt, Sampling, StepRequest, StepResult, Trajectory, Turn
-from rlbus.rollout.gateway import Gateway
+from rlbus.rollout.gateway import Bounds, Gateway
 from rlbus.rollout.settings import RolloutSettings
 from rlbus.service import Service
 from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer
@@ -159,8 +159,11 @@ class Rollout(Service[RolloutSettings]):
             if not isinstance(self.tokenizer, Tokenizer):
                 raise ValueError(f"agent {self.settings.agent!r} talks to the OpenAI gateway, "
                                  "which needs the policy's own tokenizer (RLBUS_TOKENIZER=hf)")
-            self.gateway = Gateway(self.settings.served_model_name, self.settings.gateway_host,
-                                   self.settings.gateway_port)
+            st = self.settings
+            self.gateway = Gateway(st.served_model_name, st.gateway_host, st.gateway_port,
+                                   Bounds(st.gateway_max_sessions, st.gateway_max_body_bytes,
+                                          st.gateway_max_session_tokens,
+                                          st.gateway_idle_timeout_s))
             await self.gateway.start()
         self.spawn("replies", self._read_replies())
         log.info("%s reads replies on partition %d", self.member, self.reply_partition)
@@ -324,7 +327,8 @@ class Rollout(Service[RolloutSettings]):
         ) as session:
             chat = ChatSession(base_url=self.gateway.base_url(session.id), api_key=session.id,
                                model=self.gateway.model, task=task, spec=prompt.spec, env=env)
-            await asyncio.wait_for(agent.run(chat), self.settings.agent_timeout_s)
+            await asyncio.wait_for(self.gateway.run(session, agent.run(chat)),
+                                   self.settings.agent_timeout_s)
             if session.failed:  # the agent may have caught the error: the episode has not
                 raise EpisodeFailed(session.failed)
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
-from rlbus.messages import Sampling, Turn
+from rlbus.messages import FinishReason, Sampling, Turn
 from rlbus.tool_calls import find_tool_calls, without_calls
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class GatewayCode(StrEnum):
     CONCURRENT_CALL = "concurrent_call"
     """Another call of the session is running: the only code worth retrying."""
     CLIENT_DISCONNECTED = "client_disconnected"
+    SESSION_TOO_LONG = "session_too_long"
+    """The session has recorded its bound of tokens: the episode should end."""
 
 
 ErrorKind = Literal["invalid_request_error", "authentication_error", "server_error"]
@@ -77,24 +79,86 @@ class GatewayError(RlbusError):
 
 
 class ChatRequest(BaseModel):
-    """The accepted subset of OpenAI's chat completion request; any other field is a 400
-    naming it (silently ignoring a parameter would train on something else than asked)."""
+    """OpenAI's chat completion request as the gateway takes it. Every field a common
+    client sends is honoured, ignored on purpose (it means nothing for a policy being
+    trained) or refused when set to a value we cannot honour, naming the field
+    (:meth:`check`); an unknown field is a 400 naming it: silently ignoring a parameter
+    would train on something else than asked. The table is in docs/extending.md."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    # ignored on purpose: bookkeeping of a hosted API, meaningless for a local policy
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     seed: int | None = None
-    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # honoured only at their neutral value: anything else changes the sampling distribution
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    def check(self) -> None:
+        """Refuse what we cannot honour, naming the field and what to do instead."""
+        def refuse(param: str, why: str) -> NoReturn:
+            raise GatewayError(400, f"{param}: {why}", code=GatewayCode.UNSUPPORTED_PARAMETER,
+                               param=param)
+
+        if self.n not in (None, 1):
+            refuse("n", "must be 1: each completion is one turn of one episode; run several "
+                        "episodes (the group size) for several samples")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                refuse(name, "must be 0: a penalty samples from another distribution than "
+                             "the policy the learner trains")
+        if self.repetition_penalty not in (None, 1):
+            refuse("repetition_penalty", "must be 1 (see frequency_penalty)")
+        if self.top_k not in (None, 0, -1):
+            refuse("top_k", "is not supported: top_p is (the engines sample top-p only)")
+        if self.logit_bias:
+            refuse("logit_bias", "must be empty: a bias samples from another distribution "
+                                 "than the policy the learner trains")
+        if self.logprobs or self.top_logprobs:
+            refuse("logprobs", "is not returned: the gateway records each token's logprob "
+                               "for training; read them from the trajectory")
+        if self.response_format and self.response_format.get("type") != "text":
+            refuse("response_format", "only {'type': 'text'}: the policy is not constrained "
+                                      "(a constraint would train on another distribution)")
+        if isinstance(self.tool_choice, dict):
+            refuse("tool_choice", "a named function is not supported: the policy chooses "
+                                  "its calls; use 'auto' (or 'required', taken as 'auto')")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            refuse("stop", "at most 4 stop sequences (as OpenAI)")
+
+    @property
+    def stops(self) -> list[str]:
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
 
 
 @dataclass
@@ -111,6 +175,12 @@ class Session:
     tools: str = ""
     failed: str | None = None
     busy: bool = False
+    tokens: int = 0
+    """Tokens recorded so far (prompts and completions of every call)."""
+    max_tokens: int = 1 << 20
+    """Most tokens one session may record (``RLBUS_GATEWAY_MAX_SESSION_TOKENS``)."""
+    last_call: float = field(default_factory=time.monotonic)
+    """When its last call ended (or it opened): the idle bound counts from here."""
 
     @property
     def eos_text(self) -> str:
@@ -170,11 +240,17 @@ class Session:
         if self.busy:
             raise GatewayError(409, "a call of this session is still running: one at a time",
                                code=GatewayCode.CONCURRENT_CALL)
+        req.check()
         self.busy = True
         try:
             return await self._complete(req)
         finally:
             self.busy = False
+            self.last_call = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since its last call ended; 0 while one runs."""
+        return 0.0 if self.busy else time.monotonic() - self.last_call
 
     async def _complete(self, req: ChatRequest) -> dict[str, Any]:
         context, new = self.context(req)
@@ -184,37 +260,65 @@ class Session:
                                     f"the messages take {len(context)} and {max_new} more "
                                     "were asked for", code=GatewayCode.CONTEXT_LENGTH_EXCEEDED,
                                param="messages")
+        if self.tokens + len(new) + max_new > self.max_tokens:
+            raise GatewayError(400, f"this session has recorded {self.tokens} tokens; with "
+                                    f"{len(new)} new and {max_new} more asked for it would "
+                                    f"pass its bound of {self.max_tokens} "
+                                    "(RLBUS_GATEWAY_MAX_SESSION_TOKENS): end the episode",
+                               code=GatewayCode.SESSION_TOO_LONG, param="messages")
         sampling = Sampling(
             temperature=self.sampling.temperature if req.temperature is None else req.temperature,
             top_p=self.sampling.top_p if req.top_p is None else req.top_p,
             max_new_tokens=max_new)
         gen: Generation = await self.policy.generate(context, sampling)
+        completion, logprobs, finish = gen.completion_ids, gen.logprobs, gen.finish_reason
+        if req.stops:
+            completion, logprobs, finish = self.cut_at_stop(completion, logprobs, finish,
+                                                            req.stops)
         # Special tokens stay in the text (but the final end-of-turn): the agent echoes the
         # content back, and only then does the history render to the text of these ids.
-        ids = gen.completion_ids
+        ids = completion
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        content, calls = parse_tool_calls(text) if req.tools else (text, [])
+        content, calls = (parse_tool_calls(text) if req.tools and req.tool_choice != "none"
+                          else (text, []))
         self.turns.append(Turn(
-            input_ids=new, completion_ids=gen.completion_ids, logprobs=gen.logprobs,
-            policy_version=gen.policy_version, finish_reason=gen.finish_reason, action=text,
+            input_ids=new, completion_ids=completion, logprobs=logprobs,
+            policy_version=gen.policy_version, finish_reason=finish, action=text,
         ))
-        self.ids = context + gen.completion_ids
-        finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length"
-                                             else "stop")
+        self.ids = context + completion
+        self.tokens += len(new) + len(completion)
+        reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if calls:
             message["tool_calls"] = calls
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
             "created": int(time.time()), "model": req.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": message, "finish_reason": reason,
                          "logprobs": None}],
-            "usage": {"prompt_tokens": len(context), "completion_tokens":
-                      len(gen.completion_ids), "total_tokens":
-                      len(context) + len(gen.completion_ids)},
+            "usage": {"prompt_tokens": len(context), "completion_tokens": len(completion),
+                      "total_tokens": len(context) + len(completion)},
         }
+
+    def cut_at_stop(self, ids: list[int], logprobs: list[float], finish: FinishReason,
+                    stops: list[str]) -> tuple[list[int], list[float], FinishReason]:
+        """The completion up to (not including) the first token whose text reaches a stop
+        sequence: what is returned is exactly what is recorded, and the tokens sampled past
+        the stop are dropped from both (the kept ones' logprobs are unchanged)."""
+        def reached(n: int) -> bool:  # monotone in n: a prefix's text is a prefix
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=False)
+            return any(stop in text for stop in stops)
+
+        if reached(len(ids)):
+            lo, hi = 1, len(ids)  # the first n whose text reaches a stop is in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if reached(mid) else (mid + 1, hi)
+            return ids[:lo - 1], logprobs[:lo - 1], "stop"
+        return ids, logprobs, finish
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -54,3 +54,14 @@ class RolloutSettings(ServiceSettings):
     """Its port; 0 picks a free one."""
     served_model_name: str = "policy"
     """The model name the gateway answers to (``/v1/models``)."""
+    gateway_max_sessions: int = Field(default=1024, ge=1)
+    """Gateway sessions (ChatAgent episodes) open at once in this instance; an episode past
+    it fails, saying so."""
+    gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest request body the gateway reads (413 past it)."""
+    gateway_max_session_tokens: int = Field(default=1 << 20, ge=16)
+    """Most tokens one session records, every call's prompt and completion counted (a call
+    past it gets a 400 ``session_too_long``)."""
+    gateway_idle_timeout_s: float = Field(default=300.0, gt=0)
+    """A ChatAgent that makes no call for this long is stopped and its episode fails (what
+    it recorded is published with the failure)."""

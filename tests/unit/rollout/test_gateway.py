@@ -160,8 +160,17 @@ async def test_bad_requests_get_openai_errors_never_a_500(gateway, tokenizer):
                 await client.chat.completions.create(**kwargs)
             assert err.value.code == code, (kwargs, err.value.body)
             assert err.value.body["type"] == "invalid_request_error"
-        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
-            await client.chat.completions.create(model="policy", messages=hi, stream=True)
+        refused = [dict(frequency_penalty=0.1), dict(logit_bias={"5": 1}), dict(top_k=5),
+                   dict(response_format={"type": "json_object"}),
+                   dict(tool_choice={"type": "function", "function": {"name": "f"}}),
+                   dict(top_logprobs=2)]
+        for kwargs in refused:
+            (param,) = kwargs
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="policy", messages=hi,
+                                                     extra_body=kwargs)
+            assert err.value.code == "unsupported_parameter"
+            assert err.value.param == ("logprobs" if param == "top_logprobs" else param)
         async with httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw:
             for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
                 r = await raw.post("/chat/completions", content=body,
@@ -196,17 +205,21 @@ async def test_an_unknown_session_is_refused(gateway):
                                             messages=[{"role": "user", "content": "hi"}])
 
 
-async def test_a_client_that_disconnects_mid_call_fails_its_episode(gateway, tokenizer):
+async def test_a_client_that_disconnects_mid_call_loses_only_that_call(gateway, tokenizer):
     policy = Scripted(tokenizer, ["late"], delay_s=30)
+    hi = [{"role": "user", "content": "hi"}]
     async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
                                max_context_tokens=2048) as s:
         client = _client(gateway, s.id, timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
-            await client.chat.completions.create(model="policy",
-                                                 messages=[{"role": "user", "content": "hi"}])
+            await client.chat.completions.create(model="policy", messages=hi)
         await wait_until(lambda: policy.cancelled, "the generation is cancelled")
         assert policy.cancelled == 1  # the generation was cancelled, not left running
-        assert s.failed == "the client disconnected mid-call" and not s.turns
+        assert s.failed is None and not s.turns and not s.busy
+        policy.delay_s = 0  # the client retries: the session goes on
+        r = await _client(gateway, s.id).chat.completions.create(model="policy", messages=hi)
+        assert r.choices[0].message.content == "late"
+    assert len(s.turns) == 1 and s.failed is None
 
 
 async def test_concurrent_sessions_are_independent(gateway, tokenizer):
@@ -230,3 +243,156 @@ def test_an_error_answer_says_with_its_code_whether_to_try_again():
     diverged = GatewayError(400, "context diverged", code=GatewayCode.CONTEXT_DIVERGED)
     assert busy.retriable and not diverged.retriable and not GatewayError(400, "x").retriable
     assert json.loads(json.dumps(busy.body()))["error"]["code"] == "concurrent_call"
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>'
+
+
+async def _recorded(gateway, tokenizer, replies, calls):
+    """Run ``calls(client)`` in a fresh session; (its result, the session)."""
+    async with gateway.session(policy=Scripted(tokenizer, replies), tokenizer=tokenizer,
+                               sampling=Sampling(), max_context_tokens=4096) as s:
+        return await calls(_client(gateway, s.id)), s
+
+
+async def test_streamed_and_plain_calls_record_the_same_tokens(gateway, tokenizer):
+    text = "a longer answer, so that its content comes in several pieces"
+    q = [{"role": "user", "content": "what is 2 + 40?"}]
+
+    async def plain(client):
+        return await client.chat.completions.create(model="policy", messages=q, tools=TOOLS)
+
+    async def streamed(client):
+        stream = await client.chat.completions.create(
+            model="policy", messages=q, tools=TOOLS, stream=True,
+            stream_options={"include_usage": True})
+        return [c async for c in stream]
+
+    turns: dict[str, list] = {"plain": [], "streamed": []}
+    answers = {}
+    for reply in (text, CALL):
+        for kind, calls in (("plain", plain), ("streamed", streamed)):
+            answers[reply, kind], s = await _recorded(gateway, tokenizer, [reply], calls)
+            turns[kind] += s.turns
+    p_text, p_call = answers[text, "plain"], answers[CALL, "plain"]
+    s_text, s_call = answers[text, "streamed"], answers[CALL, "streamed"]
+    assert [(t.input_ids, t.completion_ids, t.logprobs) for t in turns["plain"]] == \
+        [(t.input_ids, t.completion_ids, t.logprobs) for t in turns["streamed"]]
+    # the text arrives in several deltas that add up to the plain answer
+    deltas = [c.choices[0].delta.content for c in s_text if c.choices and
+              c.choices[0].delta.content]
+    assert len(deltas) > 2 and "".join(deltas) == p_text.choices[0].message.content
+    assert s_text[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in s_text if c.choices][-1] == "stop"
+    assert s_text[-1].choices == [] and s_text[-1].usage.total_tokens == p_text.usage.total_tokens
+    # tool call: id and name once, then the arguments in deltas, then finish_reason
+    (plain_call,) = p_call.choices[0].message.tool_calls
+    parts = [tc for c in s_call if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert parts[0].id and parts[0].function.name == "add"
+    args = "".join(tc.function.arguments or "" for tc in parts)
+    assert len(parts) > 2 and json.loads(args) == json.loads(plain_call.function.arguments)
+    assert [c.choices[0].finish_reason for c in s_call if c.choices][-1] == "tool_calls"
+
+
+async def test_the_sdk_stream_helper_accumulates_a_tool_call(gateway, tokenizer):
+    async def helper(client):
+        async with client.chat.completions.stream(
+                model="policy", messages=[{"role": "user", "content": "2 + 40?"}],
+                tools=TOOLS) as stream:
+            return await stream.get_final_completion()
+
+    final, s = await _recorded(gateway, tokenizer, [CALL], helper)
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2,
+                                                                                  "b": 40}
+    assert len(s.turns) == 1
+
+
+async def test_stop_sequences_cut_what_is_returned_and_recorded_alike(gateway, tokenizer):
+    async def calls(client):
+        messages = [{"role": "user", "content": "count"}]
+        r = await client.chat.completions.create(model="policy", messages=messages,
+                                                 stop=["three"])
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return r
+
+    r, s = await _recorded(gateway, tokenizer, ["one two three four", "five"], calls)
+    assert r.choices[0].finish_reason == "stop"
+    content = r.choices[0].message.content
+    assert "three" not in content and "one two".startswith(content.strip()[:3])
+    first = s.turns[0]
+    assert tokenizer.decode(first.completion_ids, skip_special_tokens=False) == content
+    assert len(first.logprobs) == len(first.completion_ids)
+    assert len(s.turns) == 2 and s.failed is None  # the history extends what was recorded
+
+
+async def test_fields_clients_send_by_default_are_taken(gateway, tokenizer):
+    async def calls(client):
+        return await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            tool_choice="required", parallel_tool_calls=False, user="u", seed=3, store=False,
+            metadata={"k": "v"}, max_completion_tokens=8, stream=False, n=1,
+            presence_penalty=0, frequency_penalty=0, logprobs=False,
+            response_format={"type": "text"}, service_tier="auto", reasoning_effort="low")
+
+    r, s = await _recorded(gateway, tokenizer, ["fine"], calls)
+    assert r.choices[0].message.content == "fine" and len(s.turns) == 1
+
+
+async def test_session_bounds_each_give_a_clear_error(tokenizer):
+    from rlbus.rollout.gateway import Bounds, SessionIdle, TooManySessions
+
+    g = Gateway("policy", bounds=Bounds(max_sessions=1, max_body_bytes=2048,
+                                        max_session_tokens=60, idle_timeout_s=0.3))
+    await g.start()
+    try:
+        kw = dict(policy=Scripted(tokenizer, ["short"] * 3), tokenizer=tokenizer,
+                  sampling=Sampling(max_new_tokens=8), max_context_tokens=4096)
+        async with g.session(**kw) as s:
+            with pytest.raises(TooManySessions, match="RLBUS_GATEWAY_MAX_SESSIONS"):
+                async with g.session(**kw):
+                    pass
+            client = _client(g, s.id)
+            with pytest.raises(openai.APIStatusError) as err:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "x" * 4096}])
+            assert err.value.status_code == 413 and "RLBUS_GATEWAY_MAX_BODY_BYTES" in str(
+                err.value)
+            messages = [{"role": "user", "content": "hi"}]
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "tell me a longer story " * 4}]
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="policy", messages=messages)
+            assert err.value.code == "session_too_long"
+            assert len(s.turns) == 1 and s.tokens <= 60
+
+            async def agent():  # makes no call: the idle bound stops it
+                await asyncio.Event().wait()
+
+            with pytest.raises(SessionIdle, match="RLBUS_GATEWAY_IDLE_TIMEOUT_S"):
+                await g.run(s, agent())
+            assert s.failed and len(s.turns) == 1  # what it recorded stays
+    finally:
+        await g.stop()
+
+
+async def test_a_client_gone_mid_stream_loses_nothing_recorded(gateway, tokenizer):
+    async with gateway.session(policy=Scripted(tokenizer, ["word " * 200]),
+                               tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=4096) as s:
+        body = {"model": "policy", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw, \
+                raw.stream("POST", "/chat/completions", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # read one event, then hang up
+        assert len(s.turns) == 1 and s.failed is None and not s.busy
+        assert tokenizer.decode(s.turns[0].completion_ids).count("word") == 200
