@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
@@ -119,6 +119,28 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _flat_text(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Content given as a list of text parts (smolagents, LangChain, the Agents SDK send
+        it so) becomes the string of those parts joined by newlines, as vLLM does for a
+        string-content template: a template renders it, never a Python list repr. Any
+        other part (an image, audio) is refused: the policy is a text model."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind not in ("text", "input_text", "output_text"):
+                        raise ValueError(f"messages[{i}]: a content part of type {kind!r}; "
+                                         "only text parts are taken (a text policy)")
+                    texts.append(str(part.get("text", "")))
+                m = {**m, "content": "\n".join(texts)}
+            out.append(m)
+        return out
 
     def check(self) -> None:
         """Refuse what we cannot honour, naming the field and what to do instead."""

@@ -396,3 +396,19 @@ async def test_a_client_gone_mid_stream_loses_nothing_recorded(gateway, tokenize
                     break  # read one event, then hang up
         assert len(s.turns) == 1 and s.failed is None and not s.busy
         assert tokenizer.decode(s.turns[0].completion_ids).count("word") == 200
+
+
+async def test_text_parts_render_as_the_string_they_join_to(gateway, tokenizer):
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "2 + 40?"}]
+
+    async def calls(client):
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": parts}])
+        with pytest.raises(openai.BadRequestError, match="only text parts"):
+            await client.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+    _, s = await _recorded(gateway, tokenizer, ["42"], calls)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "what is\n2 + 40?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(s.turns[0].input_ids, skip_special_tokens=False) == rendered
