@@ -65,8 +65,8 @@ class Truncated(Scripted):
         return Generation(ids, gen.logprobs[: len(ids)], gen.policy_version, "length")
 
 
-def _client(g: Gateway, sid: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=g.base_url(sid), api_key=sid, max_retries=0)
+def _client(g: Gateway, sid: str, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=g.base_url(sid), api_key=sid, max_retries=0, **kw)
 
 
 def _rendered(tokenizer, messages: list, tools: list | None = None) -> str:
@@ -365,15 +365,23 @@ def test_event_sequence_numbers_count_from_zero():
 # The OpenAI Agents SDK (the `agents` extra), its default model: OpenAIResponsesModel.
 
 
-def _agent(agents, gateway: Gateway, sid: str):
+def _agent(agents, gateway: Gateway, sid: str, bodies: list | None = None):
+    """An agent with an ``add`` tool on the gateway (the bodies it sends go to ``bodies``),
+    and that tool as the template sees it."""
     agents.set_tracing_disabled(True)
+
+    async def keep(request: httpx.Request) -> None:
+        if bodies is not None:
+            bodies.append(json.loads(request.content))
 
     @agents.function_tool
     def add(a: int, b: int) -> int:
         """a + b"""
         return a + b
 
-    model = agents.OpenAIResponsesModel(model="policy", openai_client=_client(gateway, sid))
+    client = _client(gateway, sid, http_client=httpx.AsyncClient(
+        event_hooks={"request": [keep]}))
+    model = agents.OpenAIResponsesModel(model="policy", openai_client=client)
     agent = agents.Agent(name="adder", instructions="use the tools", tools=[add], model=model)
     chat_tool = {"type": "function", "function": {
         "name": "add", "description": "a + b", "parameters": add.params_json_schema,
@@ -404,11 +412,11 @@ async def test_the_agents_sdk_streams_and_chains_by_response_id(open_session, ga
                                                                 tokenizer):
     agents = pytest.importorskip("agents")
     replies = [ADD_CALL, "it is 42"]
-    contexts = []
+    contexts, bodies = [], []
     for streamed in (False, True):
         policy = Scripted(tokenizer, replies)
         async with open_session(policy) as s:
-            agent, _ = _agent(agents, gateway, s.id)
+            agent, _ = _agent(agents, gateway, s.id, bodies if streamed else None)
             if streamed:  # and each call sends only the new items, after the previous id
                 result = agents.Runner.run_streamed(agent, "what is 2 + 40?",
                                                     auto_previous_response_id=True)
@@ -418,4 +426,28 @@ async def test_the_agents_sdk_streams_and_chains_by_response_id(open_session, ga
                 result = await agents.Runner.run(agent, "what is 2 + 40?")
             assert result.final_output == "it is 42" and s.failed is None
             contexts.append(policy.contexts)
+    first, second = bodies  # the chained run sends only the new items after the previous id
+    assert first["stream"] and "previous_response_id" not in first
+    assert second["previous_response_id"] == result.raw_responses[0].response_id
+    assert [i["type"] for i in second["input"]] == ["function_call_output"]
     assert contexts[0] == contexts[1]  # the same tokens, streamed and chained or not
+
+
+async def test_the_agents_sdk_sends_its_answer_back_as_history(open_session, gateway,
+                                                               tokenizer):
+    agents = pytest.importorskip("agents")
+    policy = Scripted(tokenizer, ["hello there", "bye"])
+    async with open_session(policy) as s:
+        agent, chat_tool = _agent(agents, gateway, s.id)
+        first = await agents.Runner.run(agent, "hi")
+        history = [*first.to_input_list(), {"role": "user", "content": "again"}]
+        assert history[1]["type"] == "message" and history[1]["role"] == "assistant"
+        second = await agents.Runner.run(agent, history)
+    assert (first.final_output, second.final_output) == ("hello there", "bye")
+    expected = [{"role": "system", "content": "use the tools"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"},
+                {"role": "user", "content": "again"}]
+    assert tokenizer.decode(policy.contexts[1], skip_special_tokens=False) == _rendered(
+        tokenizer, expected, [chat_tool])
+    assert s.failed is None and len(s.turns) == 2
