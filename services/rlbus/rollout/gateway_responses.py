@@ -206,6 +206,17 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "the body must be a JSON object")
+    _refuse(data)
+    try:
+        req = ResponsesRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    _check(req)
+    return req
+
+
+def _refuse(data: dict[str, Any]) -> None:
+    """Refuse, with the reason, what validation would only call invalid."""
     for name, why in REFUSED.items():
         if data.get(name) is not None:
             raise _unsupported(name, why)
@@ -219,12 +230,6 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raise _unsupported("tool_choice", f"{data['tool_choice']!r}: the gateway does not "
                                           "constrain what the policy samples; use 'auto' or "
                                           "'none' (as on /v1/chat/completions)")
-    try:
-        req = ResponsesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
-    _check(req)
-    return req
 
 
 def _check(req: ResponsesRequest) -> None:
