@@ -20,10 +20,12 @@ history no longer renders to the recorded tokens: ``context_diverged``).
 Streaming: the generation is not token-streamed over Kafka, so the events are emitted once
 the completion is back, after the turn is recorded and the response stored; a client that
 leaves mid-stream loses nothing recorded, and the tokens are the same whether it streamed
-or not. A client that leaves during the generation fails the episode, as on the chat route.
+or not. A client that leaves during the generation cancels that call, as on the chat route:
+nothing of it is recorded or stored, and the session goes on.
 
 Every field the API takes is honoured, ignored on purpose or refused with a 400 that names
-it (docs/extending.md, "The Responses API"); an unknown field is ``unsupported_parameter``.
+it, by the chat route's rules where both have the field (docs/extending.md, "The Responses
+API"); an unknown field is ``unsupported_parameter``.
 """
 
 from __future__ import annotations
@@ -46,21 +48,16 @@ REFUSED: dict[str, str] = {
     "conversation": "conversations are stored at OpenAI; continue with previous_response_id "
                     "or send the whole input",
     "prompt": "prompt templates are stored at OpenAI; send instructions and input instead",
-    "reasoning": "the policy reasons (or not) as it was trained, with no effort or summary "
-                 "setting; leave it out",
-    "background": "a call runs while the client waits; leave it out",
     "max_tool_calls": "the agent runs the tools and decides when to stop; leave it out",
-    "top_logprobs": "the gateway returns no logprobs (the learner reads the recorded ones)",
-    "service_tier": "there is one tier: the policy; leave it out",
 }
-"""Request fields that are refused with a reason (when not null); any other unknown field is
-refused as an unsupported parameter."""
+"""Request fields refused with a reason whenever set; any other unknown field is refused as
+an unsupported parameter."""
 
 INCLUDE_NOOP = {"reasoning.encrypted_content"}
 """``include`` values that ask for nothing the gateway would return: it emits no reasoning
 items, so there is no reasoning content to encrypt."""
 
-DELTA_CHARS = 32
+DELTA_CHARS = 16
 """Characters per ``*.delta`` event of a streamed answer."""
 
 
@@ -104,8 +101,9 @@ class FunctionCallOutput(_Item):
 
 
 class Reasoning(_Item):
-    """Only an empty one is taken (and renders to nothing): the gateway never emits
-    reasoning items, and text it did not produce has no place in the recorded tokens."""
+    """Only an empty one is taken (it renders to nothing): this gateway emits none (the
+    policy's reasoning is in its message text), and the chat template has no place for
+    another model's."""
 
     type: Literal["reasoning"]
     summary: list[dict[str, Any]] = Field(default_factory=list)
@@ -146,6 +144,7 @@ class TextFormat(BaseModel):
 class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    """Ignored: the chat template decides how the policy writes (as on the chat route)."""
 
 
 class ResponsesRequest(_Strict):
@@ -156,7 +155,8 @@ class ResponsesRequest(_Strict):
     """A string or a list of items; checked by :func:`parse_items` for clearer errors."""
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | None = None
+    """As on the chat route: ``none`` keeps calls as text, ``required`` is taken as auto."""
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -169,6 +169,16 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    # ignored on purpose: the chat template decides how the policy thinks (the chat route's
+    # reasoning_effort), or bookkeeping of a hosted API, meaningless for a local policy
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
 
 
 def _path(loc: Sequence[int | str]) -> str:
@@ -226,14 +236,19 @@ def _refuse(data: dict[str, Any]) -> None:
         if kind != "function":
             raise _unsupported(f"tools[{i}]", f"{kind!r} tools: the gateway takes function "
                                               "tools only (the agent runs them)")
-    if data.get("tool_choice") not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", f"{data['tool_choice']!r}: the gateway does not "
-                                          "constrain what the policy samples; use 'auto' or "
-                                          "'none' (as on /v1/chat/completions)")
+    if isinstance(data.get("tool_choice"), dict):
+        raise _unsupported("tool_choice", "a named or allowed set of tools: the policy "
+                                          "chooses its calls (it is never constrained); use "
+                                          "'auto' (or 'required', taken as 'auto')")
 
 
 def _check(req: ResponsesRequest) -> None:
     """Refuse the values of accepted fields that the gateway cannot honour."""
+    if req.background:
+        raise _unsupported("background", "a call runs while the client waits; leave it out")
+    if req.top_logprobs:
+        raise _unsupported("top_logprobs", "must be 0: each token's logprob is recorded for "
+                                           "training; read them from the trajectory")
     if req.truncation == "auto":
         raise _unsupported("truncation", "'auto': the context is the recorded tokens and is "
                                          "never cut; use 'disabled' (a call over the context "
@@ -241,14 +256,13 @@ def _check(req: ResponsesRequest) -> None:
     for value in req.include or []:
         if value not in INCLUDE_NOOP:
             raise _unsupported("include", f"{value!r}: the gateway returns text and function "
-                                          "calls only; leave it out")
+                                          "calls only (each token's logprob is recorded for "
+                                          "training: read them from the trajectory)")
     text = req.text or TextConfig()
     if text.format is not None and text.format.type != "text":
         raise _unsupported("text.format", f"{text.format.type!r}: the gateway does not "
                                           "constrain decoding to a schema; ask for JSON in the "
                                           "instructions and parse the text")
-    if text.verbosity not in (None, "medium"):
-        raise _unsupported("text.verbosity", "the policy has no verbosity setting; leave it out")
 
 
 def parse_items(value: Any) -> list[Item]:

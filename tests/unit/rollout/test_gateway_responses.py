@@ -18,6 +18,7 @@ from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling
 from rlbus.rollout.gateway import Gateway
 from rlbus.rollout.gateway_responses import stream_events
+from tests.polling import wait_until
 from tests.unit.rollout.test_gateway import Scripted
 
 pytestmark = pytest.mark.slow
@@ -204,20 +205,25 @@ async def test_a_streamed_tool_call_and_the_raw_frames(open_session, gateway, to
         assert head == f"event: {event['type']}"
         STREAM_EVENT.validate_python(event)  # strictly: every field the SDK's type requires
         events.append(event)
-    assert [e["type"] for e in events] == [
+    types = [e["type"] for e in events]
+    args = types.index("response.function_call_arguments.done")
+    assert types == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * (args - 9),
         "response.function_call_arguments.done", "response.output_item.done",
         "response.completed"]
+    assert args > 10  # the arguments come in several deltas
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["response"]["output"] == [] and events[0]["response"]["usage"] is None
     assert events[8]["item"]["arguments"] == ""
     message, call = events[-1]["response"]["output"]
     assert events[4]["delta"] == events[5]["text"] == "Let me add."
-    assert events[9]["delta"] == events[10]["arguments"] == call["arguments"]
+    deltas = "".join(e["delta"] for e in events[9:args])
+    assert deltas == events[args]["arguments"] == call["arguments"]
     assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == [
         message, call]
     assert len(s.turns) == 1
@@ -276,10 +282,10 @@ async def test_bad_requests_are_refused_naming_the_field(open_session, gateway, 
             ({**hi, "previous_response_id": "resp_nope"}, 400, "previous_response_not_found",
              "previous_response_id"),
             ({**hi, "frobnicate": 1}, 400, "unsupported_parameter", "frobnicate"),
-            ({**hi, "reasoning": {"effort": "high"}}, 400, "unsupported_parameter",
-             "reasoning"),
+            ({**hi, "background": True}, 400, "unsupported_parameter", "background"),
+            ({**hi, "top_logprobs": 5}, 400, "unsupported_parameter", "top_logprobs"),
+            ({**hi, "max_tool_calls": 3}, 400, "unsupported_parameter", "max_tool_calls"),
             ({**hi, "conversation": "conv_1"}, 400, "unsupported_parameter", "conversation"),
-            ({**hi, "tool_choice": "required"}, 400, "unsupported_parameter", "tool_choice"),
             ({**hi, "tool_choice": {"type": "function", "name": "add"}}, 400,
              "unsupported_parameter", "tool_choice"),
             ({**hi, "truncation": "auto"}, 400, "unsupported_parameter", "truncation"),
@@ -311,8 +317,6 @@ async def test_bad_requests_are_refused_naming_the_field(open_session, gateway, 
             ({"model": "policy", "input": []}, 400, None, "input"),
             ({**hi, "temperature": 3}, 400, None, "temperature"),
             ({**hi, "text": {"format": "json"}}, 400, None, "text.format"),
-            ({**hi, "text": {"verbosity": "low"}}, 400, "unsupported_parameter",
-             "text.verbosity"),
             ({"model": "policy"}, 400, None, "input"),
         ]
         async with httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw:
@@ -328,6 +332,43 @@ async def test_bad_requests_are_refused_naming_the_field(open_session, gateway, 
         with pytest.raises(openai.BadRequestError, match="previous_response_id"):
             await client.responses.create(model="policy", input="x", previous_response_id="r")
     assert s.failed is None and not s.turns and not policy.contexts
+
+
+async def test_fields_ignored_on_purpose_are_taken(open_session, gateway, tokenizer):
+    policy = Scripted(tokenizer, [ADD_CALL])
+    async with open_session(policy) as s:
+        r = await _client(gateway, s.id).responses.create(
+            model="policy", input="2 + 40?", tools=[ADD_TOOL], tool_choice="required",
+            parallel_tool_calls=False, reasoning={"effort": "high", "summary": "auto"},
+            text={"format": {"type": "text"}, "verbosity": "low"}, service_tier="auto",
+            prompt_cache_key="k", safety_identifier="u1", user="u1", truncation="disabled",
+            include=["reasoning.encrypted_content"], background=False, top_logprobs=0,
+            store=True)
+    assert r.output[0].type == "function_call"  # required is taken as auto
+    assert r.tool_choice == "required" and r.parallel_tool_calls is False and r.user == "u1"
+    assert s.failed is None and len(s.turns) == 1
+
+
+async def test_tool_choice_none_keeps_a_call_as_text(open_session, gateway, tokenizer):
+    policy = Scripted(tokenizer, [ADD_CALL])
+    async with open_session(policy) as s:
+        r = await _client(gateway, s.id).responses.create(
+            model="policy", input="2 + 40?", tools=[ADD_TOOL], tool_choice="none")
+    assert [o.type for o in r.output] == ["message"] and r.output_text == ADD_CALL
+
+
+async def test_a_client_that_leaves_during_the_generation_cancels_only_that_call(
+        open_session, gateway, tokenizer):
+    policy = Scripted(tokenizer, ["on time"], delay_s=30)  # the cancelled call takes none
+    async with open_session(policy) as s:
+        impatient = _client(gateway, s.id).with_options(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.responses.create(model="policy", input="hi", stream=True)
+        await wait_until(lambda: policy.cancelled, "the generation is cancelled")
+        assert not s.turns and not s.responses and s.failed is None
+        policy.delay_s = 0
+        r = await _client(gateway, s.id).responses.create(model="policy", input="hi")
+        assert r.output_text == "on time" and len(s.turns) == 1
 
 
 async def test_an_empty_reasoning_item_and_developer_messages_are_taken(open_session, gateway,
