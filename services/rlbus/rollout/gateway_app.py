@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from rlbus.rollout.gateway_responses import respond
 from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
 
 
@@ -92,6 +93,14 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
 
     app.post("/v1/chat/completions")(chat)
     app.post("/s/{session_id}/v1/chat/completions")(chat)
+
+    async def responses(request: Request, session_id: str | None = None) -> Response:
+        session = _session(sessions, request, session_id)
+        return await respond(model, session, await read_body(request, max_body_bytes),
+                             lambda work: _until_disconnect(request, work))
+
+    app.post("/v1/responses")(responses)
+    app.post("/s/{session_id}/v1/responses")(responses)
     return app
 
 

@@ -56,6 +56,8 @@ class GatewayCode(StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     SESSION_TOO_LONG = "session_too_long"
     """The session has recorded its bound of tokens: the episode should end."""
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+    """A Responses call continues a response this session does not hold."""
 
 
 ErrorKind = Literal["invalid_request_error", "authentication_error", "server_error"]
@@ -203,6 +205,10 @@ class Session:
     """Most tokens one session may record (``RLBUS_GATEWAY_MAX_SESSION_TOKENS``)."""
     last_call: float = field(default_factory=time.monotonic)
     """When its last call ended (or it opened): the idle bound counts from here."""
+    responses: dict[str, list[Any]] = field(default_factory=dict)
+    """Responses API: each stored response's conversation (its input items, those of the
+    response it continued, its output items), by id, for ``previous_response_id``
+    (:mod:`.gateway_responses`)."""
 
     @property
     def eos_text(self) -> str:
