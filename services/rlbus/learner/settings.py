@@ -87,10 +87,11 @@ class LearnerSettings(ServiceSettings):
     clip_high: float = Field(default=0.28, ge=0)
     """Upper clip: 1 + clip_high (clip-higher when above clip_low, DAPO)."""
     loss_norm: Literal["token", "sequence", "dr_grpo"] = "token"
-    """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant)."""
+    """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant).
+    An episode of several segments counts as one episode in each (grpo.py)."""
     dr_grpo_max_tokens: int = Field(default=1024, ge=1)
     """loss_norm=dr_grpo: the constant every sequence's token-loss sum is divided by (with
-    the number of sequences), the same for every batch whatever its padded width; set it to
+    the number of episodes), the same for every batch whatever its padded width; set it to
     the completion-token budget of an episode (Dr. GRPO's generation budget)."""
     updates_per_step: int = Field(default=1, ge=1)
     """Optimizer steps on each batch (GRPO's mu, TRL's num_iterations, verl's ppo_epochs):

@@ -108,10 +108,16 @@ class StepStats:
     staleness_max: float
     turns_mean: float
     tokens: int
+    """Tokens of the batch's episodes, each segment's counted (a context two segments share
+    is a trainer's work twice)."""
     zero_advantage: int | None = None
     """Episodes that trained with nothing to learn (their whole group scored the same);
     None from a trainer that computes no advantages."""
     update: UpdateStats | None = None
+    segments: int | None = None
+    """Token sequences of the episodes that trained: one per linear episode, one per
+    segment of an episode whose agent's history was not; None from a trainer that packs
+    none."""
 
     @property
     def loss(self) -> float:
@@ -127,4 +133,6 @@ class StepStats:
             "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
             "turns_mean": self.turns_mean, "tokens": self.tokens,
         }
+        if self.segments is not None:
+            figures["segments"] = self.segments
         return {k: None if math.isnan(v) else v for k, v in figures.items()}

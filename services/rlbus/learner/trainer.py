@@ -56,10 +56,23 @@ class StepTrainer(Protocol):
         """Release what the trainer holds (under torchrun: the follower ranks)."""
 
 
-def packed(episode: Episode, advantage: float) -> Work:
-    """The episode as the client packed it (token ids exactly as sampled, which of them the
-    policy sampled, the engine's logprobs for those) with its advantage."""
-    return Work(episode.token_ids, episode.loss_mask, episode.logprobs, advantage)
+def packed(episode: Episode, advantage: float) -> list[Work]:
+    """The episode as the client packed it, one sequence per segment (token ids exactly as
+    sampled, which of them the policy sampled, the engine's logprobs for those), each with
+    the episode's advantage: every segment of an episode is trained on its reward."""
+    return [Work(s.token_ids, s.loss_mask, s.logprobs, advantage, episode.episode_id)
+            for s in episode.segments]
+
+
+def episode_counts(work: list[Work]) -> tuple[Whole, list[float]]:
+    """The batch's loss tokens and episodes (:class:`Whole`), and each sequence's
+    episode's loss tokens: the segments of one episode count as one episode, their tokens
+    together (see grpo.py on how each norm weighs a k-segment episode)."""
+    keys = [w.episode if w.episode is not None else i for i, w in enumerate(work)]
+    tokens: dict[str | int, float] = {}
+    for key, w in zip(keys, work, strict=True):  # the first token is never predicted
+        tokens[key] = tokens.get(key, 0.0) + float(sum(w.sampled[1:]))
+    return Whole(tokens=sum(tokens.values()), episodes=len(tokens)), [tokens[k] for k in keys]
 
 
 def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
@@ -164,7 +177,7 @@ class Trainer:
         used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
         update = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0)
         if used:
-            update = self.lead([packed(s.episode, s.advantage) for s in used])
+            update = self.lead([w for s in used for w in packed(s.episode, s.advantage)])
         return self._describe(samples, update)
 
     def lead(self, work: list[Work]) -> UpdateStats:
@@ -213,7 +226,7 @@ class Trainer:
         self._replicate()
         lengths = [len(w.ids) for w in work]
         order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad
-        whole = Whole(tokens=float(sum(sum(w.sampled[1:]) for w in work)), sequences=len(work))
+        whole, episode_tokens = episode_counts(work)
         mine = shard(order, self.world)
         weight = 1.0
         if not mine:  # more ranks than sequences: join the all-reduce with a zero gradient
@@ -228,7 +241,8 @@ class Trainer:
             if not (last or self._plain):  # accumulate locally, all-reduce on the last
                 sync = cast(DistributedDataParallel, self.scorer).no_sync()
             with sync:
-                loss, figures = self._micro_step(items, whole)
+                loss, figures = self._micro_step(
+                    items, whole, [episode_tokens[mine[i]] for i in part])
                 # DDP averages gradients over ranks; each rank's share is of the whole batch
                 (loss * weight * self.world.size).backward()  # type: ignore[no-untyped-call]
             totals += weight * figures
@@ -241,7 +255,8 @@ class Trainer:
                            micro_batches=len(micro),
                            entropy=entropy / tokens if self.cfg.entropy_coef else None)
 
-    def _micro_step(self, items: list[Work], whole: Whole) -> tuple[Tensor, Tensor]:
+    def _micro_step(self, items: list[Work], whole: Whole,
+                    episode_tokens: list[float]) -> tuple[Tensor, Tensor]:
         batch = collate([w.ids for w in items], [w.sampled for w in items],
                         [w.logprobs for w in items], self.pad_id)
         mask = batch.loss_mask.to(self.device)  # (b, t-1)
@@ -259,6 +274,7 @@ class Trainer:
             norm=self.cfg.loss_norm,
             max_tokens=self.cfg.dr_grpo_max_tokens,
             whole=whole,
+            episode_tokens=torch.tensor(episode_tokens, device=self.device),  # (b,)
         )
         entropy_sum = 0.0
         if entropy is not None:
@@ -300,6 +316,7 @@ class Trainer:
             staleness_max=float(max((s.staleness for s in valid), default=0)),
             turns_mean=_mean([float(len(s.scored.trajectory.turns)) for s in valid]),
             tokens=sum(s.scored.trajectory.num_tokens for s in samples),
+            segments=sum(len(s.episode.segments) for s in valid),
             update=update,
         )
 

@@ -6,11 +6,19 @@ the sampled ids as they were sampled, never re-tokenised) plus the rendering of 
 messages the agent added since the last reply: the text the template puts after that
 reply's end-of-turn token. Before appending, the session checks that the template renders
 the whole history to exactly the text of the recorded ids (byte-level decoding is
-lossless); if it does not (a template that drops earlier ``<think>`` blocks, history the
-agent edited, a tool call the template re-formats, tools that changed), the rule is: the
-call is refused with a 400 that says where the texts part, and the episode fails with that
-reason (published as failed, masked by the learner). Nothing is trained on a context the
-model did not see.
+lossless). A call that does not extend the history so (a template that drops earlier
+``<think>`` blocks, history the agent trimmed, summarised or edited, a call retried after a
+reply it did not keep, a tool call the template re-formats, tools that changed) is handled
+by the session's ``history`` mode:
+
+* ``segments``: the call's context is the template's rendering of its messages, tokenised
+  as a first call's; its turn is recorded with ``fresh_context`` (a new training segment:
+  :meth:`rlbus.messages.Trajectory.segments`) and the next calls may extend it.
+* ``strict``: the call is refused with a 400 ``context_diverged`` that says where the texts
+  part, and the episode fails with that reason (published as failed, masked by the
+  learner).
+
+Either way nothing is trained on a context the model did not see.
 
 Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the
 completion (the Hermes/Qwen convention, read by :mod:`rlbus.tool_calls` as the default agent
@@ -33,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
 from rlbus.messages import FinishReason, Sampling, Turn
+from rlbus.rollout.settings import GatewayHistory
 from rlbus.tool_calls import find_tool_calls, without_calls
 
 log = logging.getLogger(__name__)
@@ -78,6 +87,10 @@ class GatewayError(RlbusError):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+class Diverged(Exception):
+    """A call's messages do not extend the session's recorded history; the text says why."""
 
 
 class ChatRequest(BaseModel):
@@ -209,6 +222,10 @@ class Session:
     """Responses API: each stored response's conversation (its input items, those of the
     response it continued, its output items), by id, for ``previous_response_id``
     (:mod:`.gateway_responses`)."""
+    history: GatewayHistory = "segments"
+    """What a call that does not extend the recorded history does (module docstring)."""
+    fresh: bool = False
+    """Whether the call being completed starts a new segment (set by :meth:`context`)."""
 
     @property
     def eos_text(self) -> str:
@@ -225,37 +242,52 @@ class Session:
         return str(text)
 
     def context(self, req: ChatRequest) -> tuple[list[int], list[int]]:
-        """(full context, ids new this turn) for ``req``; raises on divergence."""
+        """(full context, ids new this turn) for ``req``: the recorded history extended, or
+        (``segments``) a new segment whose ids are all new; raises on divergence in
+        ``strict``."""
         tools = json.dumps(req.tools, sort_keys=True) if req.tools else ""
         full = self.render(req.messages, req.tools, generation_prompt=True)
-        if not self.ids:
-            self.tools = tools
-            new = self.tokenizer.encode(full, add_special_tokens=False)
-            return new, new
+        self.fresh = False
+        if self.ids:
+            try:
+                new = self.extension(req, full, tools)
+                return self.ids + new, new
+            except Diverged as d:
+                if self.history == "strict":
+                    self.diverge(str(d))
+                log.debug("session %s: call %d starts a new segment: %s", self.id,
+                          len(self.turns), d)
+                self.fresh = True
+        self.tools = tools
+        new = self.tokenizer.encode(full, add_special_tokens=False)
+        return new, new
+
+    def extension(self, req: ChatRequest, full: str, tools: str) -> list[int]:
+        """The ids ``req`` adds to the recorded history (``full`` is its rendering); raises
+        :class:`Diverged` saying why where it does not extend that history."""
         if tools != self.tools:
-            self.diverge("the tools differ from the session's first call")
+            raise Diverged("the tools differ from the session's first call")
         last = max((i for i, m in enumerate(req.messages) if m.get("role") == "assistant"),
                    default=None)
         if last is None:
-            self.diverge("the messages do not contain the session's last reply")
+            raise Diverged("the messages do not contain the session's last reply")
         base = self.render(req.messages[: last + 1], req.tools, generation_prompt=False)
         if not full.startswith(base):
-            self.diverge("the template renders the history differently once more messages "
-                         "follow it")
+            raise Diverged("the template renders the history differently once more "
+                           "messages follow it")
         end = base.rfind(self.eos_text)
         if end < 0:
-            self.diverge("the rendered history has no end-of-turn token")
+            raise Diverged("the rendered history has no end-of-turn token")
         finished = self.ids[-1] == self.tokenizer.eos_token_id
         cut = end + (len(self.eos_text) if finished else 0)
         seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
         if seen != base[:cut]:
             at = next((i for i, (a, b) in enumerate(zip(seen, base, strict=False)) if a != b),
                       min(len(seen), cut))
-            self.diverge(f"the history renders to other text than the tokens the model saw, "
-                         f"from character {at}: saw {seen[at:at + 40]!r}, template gives "
-                         f"{base[at:at + 40]!r}")
-        new = self.tokenizer.encode(full[cut:], add_special_tokens=False)
-        return self.ids + new, new
+            raise Diverged(f"the history renders to other text than the tokens the model "
+                           f"saw, from character {at}: saw {seen[at:at + 40]!r}, template "
+                           f"gives {base[at:at + 40]!r}")
+        return list(self.tokenizer.encode(full[cut:], add_special_tokens=False))
 
     def diverge(self, why: str) -> NoReturn:
         self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
@@ -314,6 +346,7 @@ class Session:
         self.turns.append(Turn(
             input_ids=new, completion_ids=completion, logprobs=logprobs,
             policy_version=gen.policy_version, finish_reason=finish, action=text,
+            fresh_context=self.fresh,
         ))
         self.ids = context + completion
         self.tokens += len(new) + len(completion)
