@@ -106,7 +106,8 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
 
 def _session(sessions: Mapping[str, Session], request: Request,
              session_id: str | None) -> Session:
-    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    key = (request.headers.get("x-api-key")  # Anthropic's header
+           or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
     sid = session_id or key
     session = sessions.get(sid)
     if session is None:
