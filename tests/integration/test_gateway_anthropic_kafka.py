@@ -75,6 +75,8 @@ async def test_an_anthropic_agent_trains_through_the_gateway(kafka_bootstrap, un
     assert learner.step == 1 and reward.handled == 8
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if "loss" in r]
-    # every episode is two calls recorded exactly: no history diverged from its tokens
+    # every episode is two calls recorded exactly, one segment: the second call's history
+    # (Anthropic blocks sent back as the SDK sends them) extended the tokens the model saw
     assert row["episodes"] == 8 and row["masked"] == 0 and row["turns_mean"] == 2.0, row
+    assert row["segments"] == 8, row
     assert rollout.gateway is not None and not rollout.gateway.sessions

@@ -16,7 +16,8 @@ arguments are); ``tool_result`` blocks become ``tool`` messages in order; text b
 message are joined by newlines. The answer's text block and tool_use blocks are the chat
 completion's content and tool calls, so the history an agent sends back renders to the
 tokens that were sampled. A field that would make the policy sample other than asked (top_k,
-thinking, forced tool use) is refused with the reason, never ignored.
+thinking, forced tool use) is refused with the reason, never ignored; where the chat route
+has the field, its rule applies.
 
 Streaming (``stream: true``): the generation is not token-streamed over Kafka, so the whole
 completion is generated and recorded first, then sent as Anthropic's events (message_start,
@@ -137,7 +138,7 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None  # refused
+    top_k: int | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -253,8 +254,6 @@ def _refuse(param: str, why: str) -> GatewayError:
 
 def to_chat(req: MessagesRequest) -> ChatRequest:
     """The chat request ``req`` means; raises for what the policy cannot do as asked."""
-    if req.top_k is not None:
-        raise _refuse("top_k", "the policy samples with temperature and top_p only")
     if req.stop_sequences and len(req.stop_sequences) > MAX_STOP_SEQUENCES:
         raise _refuse("stop_sequences", f"more than {MAX_STOP_SEQUENCES}: the chat route's "
                       "bound (OpenAI's)")
@@ -270,7 +269,8 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         model=req.model, messages=system + chat_messages(req.messages),
         tools=[_tool(t) for t in req.tools] if req.tools else None,
         tool_choice=_tool_choice(req.tool_choice), temperature=req.temperature,
-        top_p=req.top_p, max_tokens=req.max_tokens, stop=req.stop_sequences or None)
+        top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_tokens,
+        stop=req.stop_sequences or None)
 
 
 def _text(blocks: list[TextBlock]) -> str:

@@ -72,10 +72,16 @@ def _client(g: Gateway, sid: str, **kw):
                                     **kw)
 
 
-def _session(g: Gateway, tokenizer, replies: list[str], max_context_tokens: int = 4096):
+def _session(g: Gateway, tokenizer, replies: list[str], max_context_tokens: int = 4096,
+             history: str = "segments"):
     policy = Scripted(tokenizer, replies)
     return policy, g.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
-                             max_context_tokens=max_context_tokens)
+                             max_context_tokens=max_context_tokens, history=history)
+
+
+def _linear(s) -> bool:
+    """Every call extended the recorded history (one training segment), nothing failed."""
+    return s.failed is None and not any(t.fresh_context for t in s.turns)
 
 
 def _rendered(tokenizer, chat: list[dict], tools: list[dict] | None = None) -> str:
@@ -143,7 +149,7 @@ async def test_a_conversation_with_a_system_prompt_records_exact_tokens(gateway,
     t0, t1 = s.turns
     assert policy.contexts[1] == t0.input_ids + t0.completion_ids + t1.input_ids
     assert _seen(tokenizer, policy.contexts[1]) == _rendered(tokenizer, chat)
-    assert s.failed is None
+    assert _linear(s)
 
 
 async def test_a_tool_round_trip(gateway, tokenizer):
@@ -173,7 +179,7 @@ async def test_a_tool_round_trip(gateway, tokenizer):
             {"role": "user", "content": "and so?"}]
     assert _seen(tokenizer, policy.contexts[1]) == _rendered(tokenizer, chat, CHAT_TOOLS)
     assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(s.turns[1].input_ids)
-    assert s.failed is None and len(s.turns) == 2
+    assert _linear(s) and len(s.turns) == 2
 
 
 async def test_a_failed_tool_says_so_to_the_policy(gateway, tokenizer):
@@ -195,7 +201,7 @@ async def test_a_failed_tool_says_so_to_the_policy(gateway, tokenizer):
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": "Error: overflow"}]
     assert _seen(tokenizer, policy.contexts[1]) == _rendered(tokenizer, chat, CHAT_TOOLS)
-    assert s.failed is None
+    assert _linear(s)
 
 
 async def test_tool_choice_none_returns_a_call_as_the_text_it_is(gateway, tokenizer):
@@ -296,7 +302,7 @@ async def test_a_stop_sequence_ends_the_answer_where_the_recorded_tokens_end(gat
         r3 = await client.messages.create(model="policy", max_tokens=32, messages=messages,
                                           stop_sequences=["STOP"])
         assert r3.stop_reason == "end_turn" and r3.stop_sequence is None
-    assert s.failed is None and len(s.turns) == 3
+    assert _linear(s) and len(s.turns) == 3
     chat = [{"role": "user", "content": "count"},
             {"role": "assistant", "content": r.content[0].text},
             {"role": "user", "content": "more"},
@@ -321,7 +327,7 @@ async def test_a_client_that_leaves_mid_stream_loses_nothing_recorded(gateway, t
                      {"role": "user", "content": "go on"}]
         r = await client.messages.create(model="policy", max_tokens=32, messages=messages)
         assert r.content[0].text == "four"
-    assert len(s.turns) == 2 and s.failed is None
+    assert len(s.turns) == 2 and _linear(s)
     chat = [{"role": "user", "content": "count"},
             {"role": "assistant", "content": "one two three"},
             {"role": "user", "content": "go on"}]
@@ -360,8 +366,24 @@ async def test_a_second_call_at_once_is_a_conflict(gateway, tokenizer):
     assert len(s.turns) == 1 and s.failed is None
 
 
-async def test_an_edited_history_fails_the_episode_with_the_reason(gateway, tokenizer):
-    _, session = _session(gateway, tokenizer, ["one", "two"])
+async def test_an_edited_history_starts_a_new_segment(gateway, tokenizer):
+    policy, session = _session(gateway, tokenizer, ["one", "two"])
+    async with session as s:
+        client = _client(gateway, s.id)
+        messages: list = [{"role": "user", "content": "count"}]
+        await client.messages.create(model="policy", max_tokens=8, messages=messages)
+        messages += [{"role": "assistant", "content": "ONE"}, {"role": "user", "content": "on"}]
+        r = await client.messages.create(model="policy", max_tokens=8, messages=messages)
+        assert r.content[0].text == "two"
+    assert s.failed is None and [t.fresh_context for t in s.turns] == [False, True]
+    chat = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "ONE"},
+            {"role": "user", "content": "on"}]
+    assert policy.contexts[1] == s.turns[1].input_ids  # all of it new: the template's text
+    assert _seen(tokenizer, policy.contexts[1]) == _rendered(tokenizer, chat)
+
+
+async def test_in_strict_mode_an_edited_history_fails_the_episode(gateway, tokenizer):
+    _, session = _session(gateway, tokenizer, ["one", "two"], history="strict")
     async with session as s:
         client = _client(gateway, s.id)
         messages: list = [{"role": "user", "content": "count"}]
@@ -391,7 +413,7 @@ async def test_the_session_is_found_by_either_api_key_header(gateway, tokenizer)
                                     {"role": "assistant", "content": "a"},
                                     {"role": "user", "content": "y"}]})
         assert r2.status_code == 200 and r2.json()["content"] == [{"type": "text", "text": "b"}]
-    assert len(s.turns) == 2
+    assert len(s.turns) == 2 and _linear(s)
     nobody = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="nope", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as err:
         await nobody.messages.create(model="policy", max_tokens=8,
@@ -419,7 +441,7 @@ BAD = [  # (create kwargs, exception, words the message must hold)
      "BadRequestError", "max_tokens"),
     (dict(model="policy", max_tokens=8, messages=[]), "BadRequestError", "messages"),
     (dict(model="policy", max_tokens=8, messages=HI, extra_body={"top_k": 5}),
-     "BadRequestError", "top_k is not supported"),
+     "BadRequestError", "top_k: is not supported"),
     (dict(model="policy", max_tokens=8, messages=HI, stop_sequences=list("abcde")),
      "BadRequestError", "stop_sequences is not supported: more than 4"),
     (dict(model="policy", max_tokens=8, messages=HI,
