@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from rlbus.rollout import gateway_anthropic
 from rlbus.rollout.gateway_responses import respond
 from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
 
@@ -101,12 +102,25 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
 
     app.post("/v1/responses")(responses)
     app.post("/s/{session_id}/v1/responses")(responses)
+
+    async def messages(request: Request, session_id: str | None = None) -> Response:
+        try:
+            session = _session(sessions, request, session_id)
+            return await gateway_anthropic.answer(
+                model, session, await read_body(request, max_body_bytes),
+                lambda work: _until_disconnect(request, work))
+        except GatewayError as exc:  # Anthropic's error shape on Anthropic's route
+            return gateway_anthropic.error_response(exc)
+
+    app.post("/v1/messages")(messages)
+    app.post("/s/{session_id}/v1/messages")(messages)
     return app
 
 
 def _session(sessions: Mapping[str, Session], request: Request,
              session_id: str | None) -> Session:
-    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    key = (request.headers.get("x-api-key")  # Anthropic's header
+           or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
     sid = session_id or key
     session = sessions.get(sid)
     if session is None:
