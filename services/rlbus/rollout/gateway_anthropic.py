@@ -44,13 +44,18 @@ from pydantic import (
     model_validator,
 )
 
-from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
+from rlbus.rollout.sessions import (
+    ChatRequest,
+    GatewayCode,
+    GatewayError,
+    Session,
+    json_object,
+    pieces,
+)
 
 Completion = dict[str, Any]
 """A chat.completion body, as :meth:`Session.complete` returns it."""
 
-DELTA_CHARS = 16
-"""Characters of text (or of a tool call's input JSON) per streamed delta."""
 
 
 class _Strict(BaseModel):
@@ -196,12 +201,7 @@ _BLOCK_REASONS = {
 
 
 def parse(body: bytes) -> MessagesRequest:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, "the body must be a JSON object")
+    data = json_object(body)
     try:
         return MessagesRequest.model_validate(data)
     except ValidationError as exc:
@@ -419,7 +419,7 @@ def stream_events(message: dict[str, Any]) -> Iterator[str]:
             start, kind, key = {**block, "input": {}}, "input_json_delta", "partial_json"
             text = json.dumps(block["input"])
         yield _event("content_block_start", index=index, content_block=start)
-        for piece in _chunks(text):
+        for piece in pieces(text):
             yield _event("content_block_delta", index=index, delta={"type": kind, key: piece})
         yield _event("content_block_stop", index=index)
     yield _event("message_delta", delta={"stop_reason": message["stop_reason"],
@@ -427,6 +427,3 @@ def stream_events(message: dict[str, Any]) -> Iterator[str]:
                  usage={"output_tokens": usage["output_tokens"]})
     yield _event("message_stop")
 
-
-def _chunks(text: str) -> list[str]:
-    return [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]

@@ -26,7 +26,14 @@ from pydantic import ValidationError
 
 from rlbus.rollout import gateway_anthropic
 from rlbus.rollout.gateway_responses import respond
-from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
+from rlbus.rollout.sessions import (
+    ChatRequest,
+    GatewayCode,
+    GatewayError,
+    Session,
+    json_object,
+    pieces,
+)
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -149,12 +156,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def _parse(request: Request, limit: int) -> ChatRequest:
     body = await read_body(request, limit)
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, "the body must be a JSON object")
+    data = json_object(body)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
@@ -181,14 +183,6 @@ def sse(events: Iterable[str]) -> StreamingResponse:
                              headers={"cache-control": "no-cache"})
 
 
-STREAM_PIECE = 16
-"""Characters of content (or tool-call arguments) per streamed delta."""
-
-
-def _pieces(text: str) -> list[str]:
-    return [text[i:i + STREAM_PIECE] for i in range(0, len(text), STREAM_PIECE)]
-
-
 def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
     """A chat.completion as the ``chat.completion.chunk`` objects OpenAI streams: the role,
     content deltas, each tool call's id and name then its argument deltas, the finish
@@ -206,13 +200,13 @@ def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dic
         return c
 
     yield chunk({"role": "assistant", "content": ""})
-    for piece in _pieces(message.get("content") or ""):
+    for piece in pieces(message.get("content") or ""):
         yield chunk({"content": piece})
     for i, call in enumerate(message.get("tool_calls") or []):
         fn = call["function"]
         yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                      "function": {"name": fn["name"], "arguments": ""}}]})
-        for piece in _pieces(fn["arguments"]):
+        for piece in pieces(fn["arguments"]):
             yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
     yield chunk({}, choice["finish_reason"])
     if include_usage:

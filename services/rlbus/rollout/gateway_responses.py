@@ -39,7 +39,14 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
+from rlbus.rollout.sessions import (
+    ChatRequest,
+    GatewayCode,
+    GatewayError,
+    Session,
+    json_object,
+    pieces,
+)
 
 Completion = dict[str, Any]
 """A chat.completion body, as :meth:`Session.complete` returns it."""
@@ -57,8 +64,6 @@ INCLUDE_NOOP = {"reasoning.encrypted_content"}
 """``include`` values that ask for nothing the gateway would return: it emits no reasoning
 items, so there is no reasoning content to encrypt."""
 
-DELTA_CHARS = 16
-"""Characters per ``*.delta`` event of a streamed answer."""
 
 
 class _Strict(BaseModel):
@@ -210,12 +215,7 @@ def _unsupported(param: str, why: str) -> GatewayError:
 
 def parse_request(body: bytes) -> ResponsesRequest:
     """The request in ``body``, or a 400 that names what is wrong with it."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, "the body must be a JSON object")
+    data = json_object(body)
     _refuse(data)
     try:
         req = ResponsesRequest.model_validate(data)
@@ -449,9 +449,6 @@ def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**e, "sequence_number": n} for n, e in enumerate(events)]
 
 
-def _chunks(text: str) -> list[str]:
-    return [text[i:i + DELTA_CHARS] for i in range(0, len(text), DELTA_CHARS)]
-
 
 def _message_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
     part = item["content"][0]
@@ -461,7 +458,7 @@ def _message_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
          "item": {**item, "status": "in_progress", "content": []}},
         {"type": "response.content_part.added", **at, "part": {**part, "text": ""}},
         *({"type": "response.output_text.delta", **at, "delta": d, "logprobs": []}
-          for d in _chunks(part["text"])),
+          for d in pieces(part["text"])),
         {"type": "response.output_text.done", **at, "text": part["text"], "logprobs": []},
         {"type": "response.content_part.done", **at, "part": part},
         {"type": "response.output_item.done", "output_index": index, "item": item},
@@ -474,7 +471,7 @@ def _call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "response.output_item.added", "output_index": index,
          "item": {**item, "status": "in_progress", "arguments": ""}},
         *({"type": "response.function_call_arguments.delta", **at, "delta": d}
-          for d in _chunks(item["arguments"])),
+          for d in pieces(item["arguments"])),
         {"type": "response.function_call_arguments.done", **at,
          "arguments": item["arguments"]},
         {"type": "response.output_item.done", "output_index": index, "item": item},

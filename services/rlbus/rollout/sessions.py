@@ -382,12 +382,33 @@ class Session:
         return ids, logprobs, finish
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body as the JSON object every route takes, or a 400 saying why not."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, "the body must be a JSON object")
+    return data
+
+
+STREAM_PIECE = 16
+"""Characters of text (or of a tool call's arguments) per streamed delta, on every route."""
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` in the deltas a streamed answer sends it in."""
+    return [text[i:i + STREAM_PIECE] for i in range(0, len(text), STREAM_PIECE)]
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """(content without the well-formed call blocks, OpenAI tool_calls); a malformed block
     stays in the content as text (:mod:`rlbus.tool_calls`)."""
     blocks = find_tool_calls(text)
     calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-              "function": {"name": b.name, "arguments": json.dumps(b.arguments)}}
+              "function": {"name": b.name,
+                           "arguments": json.dumps(b.arguments, ensure_ascii=False)}}
              for b in blocks if b.ok]
     # without calls the text is returned as sampled, to the byte: it comes back as history
     return (without_calls(text, blocks).strip() if calls else text), calls

@@ -550,3 +550,19 @@ async def test_text_parts_render_as_the_string_they_join_to(gateway, tokenizer):
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "what is\n2 + 40?"}],
                                              add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(s.turns[0].input_ids, skip_special_tokens=False) == rendered
+
+
+async def test_a_deeply_nested_body_is_a_400_on_every_route(gateway):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with gateway.session(policy=None, tokenizer=None, sampling=Sampling(),
+                               max_context_tokens=64) as s, \
+            httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw:
+        for route in ("/chat/completions", "/responses", "/messages"):
+            r = await raw.post(route, content=deep, headers={"x-api-key": s.id})
+            assert r.status_code == 400 and "not valid JSON" in r.text, (route, r.text)
+
+
+def test_tool_call_arguments_keep_their_characters():
+    _, (call,) = parse_tool_calls('<tool_call>{"name": "weather", "arguments": '
+                                  '{"city": "Zürich"}}</tool_call>')
+    assert call["function"]["arguments"] == '{"city": "Zürich"}'
