@@ -1,12 +1,12 @@
 """Agent frameworks, unchanged, train through the gateway over the real broker.
 
 Each client — the ``openai`` SDK (sync, async, streamed with usage), LangChain's
-``ChatOpenAI.bind_tools`` (invoke, stream), the OpenAI Agents SDK (on chat completions and
-on its default, the Responses API), smolagents' ``ToolCallingAgent``, LiteLLM (async,
-streamed) and the ``anthropic`` SDK (create, stream) — plays one GRPO group of a tool-using
-episode as its users write it: ask "what is a + b?", let the framework parse the policy's
-call of an ``add`` tool, run the tool, send its result back, take the final answer. One
-pipeline (real Kafka broker; inference, rollout, reward and learner services) runs every
+``ChatOpenAI.bind_tools`` (invoke, stream), the OpenAI Agents SDK (on chat completions; on its
+default, the Responses API, run and streamed), smolagents' ``ToolCallingAgent``, LiteLLM
+(async, streamed) and the ``anthropic`` SDK (create, stream) — plays one GRPO group of a
+tool-using episode as its users write it: ask "what is a + b?", let the framework parse the
+policy's call of an ``add`` tool, run the tool, send its result back, take the final answer.
+One pipeline (real Kafka broker; inference, rollout, reward and learner services) runs every
 client's group, and the learner takes one step on all of them.
 
 A random tiny model never writes a tool call, so inference runs a scripted policy:
@@ -282,7 +282,8 @@ def langchain(session: ChatSession, played: Played, stream: bool = False) -> str
     raise AssertionError("no final answer")
 
 
-async def openai_agents(session: ChatSession, played: Played, responses: bool) -> str:
+async def openai_agents(session: ChatSession, played: Played, responses: bool,
+                        stream: bool = False) -> str:
     import openai
     from agents import (
         Agent,
@@ -300,8 +301,13 @@ async def openai_agents(session: ChatSession, played: Played, responses: bool) -
         model=session.model, openai_client=client)
     agent = Agent(name="adder", instructions="Answer with the add tool's result.",
                   model=model, tools=[function_tool(played.tool())])
-    result = await Runner.run(agent, question(session), max_turns=MAX_CALLS)
-    return str(result.final_output)
+    if not stream:
+        return str((await Runner.run(agent, question(session), max_turns=MAX_CALLS))
+                   .final_output)
+    streamed = Runner.run_streamed(agent, question(session), max_turns=MAX_CALLS)
+    async for _ in streamed.stream_events():
+        pass
+    return str(streamed.final_output)
 
 
 def smolagents(session: ChatSession, played: Played) -> str:
@@ -340,8 +346,8 @@ async def anthropic(session: ChatSession, played: Played, stream: bool = False) 
     import anthropic as anth
 
     # the SDK appends /v1/messages to its base URL
-    client = anth.AsyncAnthropic(base_url=session.base_url.removesuffix("/v1"),
-                                 api_key=session.api_key, max_retries=0)
+    base_url = getattr(session, "anthropic_base_url", session.base_url.removesuffix("/v1"))
+    client = anth.AsyncAnthropic(base_url=base_url, api_key=session.api_key, max_retries=0)
     tools: Any = [{"name": "add", "description": "Adds two integers.",
                    "input_schema": ADD_SCHEMA}]
     messages: list[Any] = [{"role": "user", "content": question(session)}]
@@ -374,7 +380,7 @@ class Client:
     sync: bool = False
     """``play`` blocks (a sync client): it runs in a thread of its own."""
     needs: str = ""
-    """The gateway feature it needs beyond chat completions (see :func:`missing`)."""
+    """The gateway feature it needs beyond chat completions: a module (see :func:`missing`)."""
     observation: str = "<tool_response>\n{}\n</tool_response>"
     """How the template renders the tool's result in the next turn's input."""
 
@@ -391,16 +397,19 @@ CLIENTS: dict[str, Client] = {
                                sync=True),
     "agents-chat": Client(AGENTS, lambda s, p: openai_agents(s, p, responses=False)),
     "agents-responses": Client(AGENTS, lambda s, p: openai_agents(s, p, responses=True),
-                               needs="/v1/responses"),
+                               needs="rlbus.rollout.gateway_responses"),
+    "agents-responses-stream": Client(
+        AGENTS, lambda s, p: openai_agents(s, p, responses=True, stream=True),
+        needs="rlbus.rollout.gateway_responses"),
     # smolagents sends its history back as text ("Calling tools: [...]", the result as a
     # user's "Observation:"), never as the tokens it was given: a new segment each call
     "smolagents": Client(("openai", "smolagents"), smolagents, sync=True, needs="segments",
                          observation="Observation:\n{}"),
     "litellm": Client(LITELLM, litellm),
     "litellm-stream": Client(LITELLM, lambda s, p: litellm(s, p, stream=True)),
-    "anthropic": Client(ANTHROPIC, anthropic, needs="/v1/messages"),
+    "anthropic": Client(ANTHROPIC, anthropic, needs="rlbus.rollout.gateway_anthropic"),
     "anthropic-stream": Client(ANTHROPIC, lambda s, p: anthropic(s, p, stream=True),
-                               needs="/v1/messages"),
+                               needs="rlbus.rollout.gateway_anthropic"),
 }
 
 
@@ -422,17 +431,14 @@ def available(name: str) -> bool:
 
 
 def missing(feature: str) -> str | None:
-    """Why this build's gateway lacks ``feature`` (a route, or segments), or None."""
+    """Why this build's gateway lacks ``feature`` (a module of its, or segments), or None."""
     if not feature:
         return None
     if feature == "segments":
         return None if "fresh_context" in Turn.model_fields else (
             "needs segments (gw-segments): a call that does not extend the recorded history "
             "starts a new training segment")
-    from rlbus.rollout.gateway_app import make_app
-
-    routes = {getattr(r, "path", "") for r in make_app("m", {}).routes}
-    return None if feature in routes else f"needs the gateway's {feature} route"
+    return None if importlib.util.find_spec(feature) else f"needs {feature}"
 
 
 # ---------------------------------------------------------------- what the gateway received
@@ -481,6 +487,11 @@ class Tap:
             await send(message)
 
         await self.app(scope, tapped_receive, tapped_send)
+
+
+def tapped(app: Any) -> Any:
+    app.add_middleware(Tap)  # outermost, whatever routes are added to the app later
+    return app
 
 
 def chat_view(call: Call) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -534,9 +545,10 @@ def responses_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
 
 
 def anthropic_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
-    """The Messages API as chat: system first; an assistant's text and tool_use blocks one
-    message with tool_calls (arguments: the input as JSON); a user's tool_result blocks tool
-    messages, its text blocks a user message; tools in the chat shape."""
+    """The Messages API as chat: system first; an assistant's text blocks (joined by
+    newlines) and tool_use blocks one message with tool_calls (arguments: the input as
+    JSON); a user's tool_result blocks tool messages, its text blocks a user message; tools
+    in the chat shape."""
     messages: list[dict[str, Any]] = []
     if body.get("system"):
         messages.append({"role": "system", "content": _text(body["system"])})
@@ -545,8 +557,8 @@ def anthropic_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
         if isinstance(blocks, str):
             messages.append({"role": m["role"], "content": blocks})
         elif m["role"] == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(
-                b["text"] for b in blocks if b["type"] == "text") or None}
+            msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(
+                b["text"] for b in blocks if b["type"] == "text")}
             calls = [{"id": b["id"], "type": "function", "function": {
                 "name": b["name"], "arguments": json.dumps(b["input"])}}
                 for b in blocks if b["type"] == "tool_use"]
@@ -555,11 +567,11 @@ def anthropic_view(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             messages += [{"role": "tool", "tool_call_id": b["tool_use_id"],
                           "content": _text(b["content"])}
                          for b in blocks if b["type"] == "tool_result"]
-            text = "".join(b["text"] for b in blocks if b["type"] == "text")
+            text = "\n".join(b["text"] for b in blocks if b["type"] == "text")
             if text:
                 messages.append({"role": "user", "content": text})
     tools = [{"type": "function", "function": {
-        "name": t["name"], "description": t.get("description"),
+        "name": t["name"], **({"description": t["description"]} if "description" in t else {}),
         "parameters": t["input_schema"]}} for t in body.get("tools") or []]
     return messages, tools or None
 
@@ -626,7 +638,7 @@ def run(kafka_bootstrap: str, clients: list[str], tmp_path_factory: pytest.TempP
                             + "\n" for i, name in enumerate(clients)))
     with pytest.MonkeyPatch.context() as patch:
         make_app = gateway_app.make_app
-        patch.setattr(gateway_app, "make_app", lambda *a, **kw: Tap(make_app(*a, **kw)))
+        patch.setattr(gateway_app, "make_app", lambda *a, **kw: tapped(make_app(*a, **kw)))
         out = asyncio.run(_pipeline(kafka_bootstrap, model, folder, rows, len(clients)))
     return Run(**out, tokenizer=AutoTokenizer.from_pretrained(model))
 
