@@ -27,10 +27,9 @@ tap around the gateway's real app records them (the only thing this test adds to
 rollout tier's path). Responses and Anthropic requests are mapped to chat messages here,
 independently of the gateway, the way its docs say they map.
 
-A client whose gateway feature is not in this build (the Responses or Anthropic routes;
-segments, which smolagents needs: it sends the history back rewritten as text) is an
-``xfail`` until it is; every framework is ``importorskip``-guarded, and the pipeline runs
-only the clients whose packages import (``pip install -e '.[agents]'``).
+smolagents sends its history back rewritten as text, so each of its calls is a segment of
+its own (``fresh_context``). Every framework is ``importorskip``-guarded, and the pipeline
+runs only the clients whose packages import (``pip install -e '.[agents]'``).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from rlbus.api import ChatAgent, ChatSession
 from rlbus.inference.engine import Completion
 from rlbus.inference.engines import HFEngine
 from rlbus.inference.settings import InferenceSettings
-from rlbus.messages import Sampling, ScoredTrajectory, Trajectory, Turn
+from rlbus.messages import Sampling, ScoredTrajectory, Trajectory
 from rlbus.prompt_data import DatasetSettings
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
@@ -345,9 +344,8 @@ async def litellm(session: ChatSession, played: Played, stream: bool = False) ->
 async def anthropic(session: ChatSession, played: Played, stream: bool = False) -> str:
     import anthropic as anth
 
-    # the SDK appends /v1/messages to its base URL
-    base_url = getattr(session, "anthropic_base_url", session.base_url.removesuffix("/v1"))
-    client = anth.AsyncAnthropic(base_url=base_url, api_key=session.api_key, max_retries=0)
+    client = anth.AsyncAnthropic(base_url=session.anthropic_base_url, api_key=session.api_key,
+                                 max_retries=0)
     tools: Any = [{"name": "add", "description": "Adds two integers.",
                    "input_schema": ADD_SCHEMA}]
     messages: list[Any] = [{"role": "user", "content": question(session)}]
@@ -372,15 +370,15 @@ async def anthropic(session: ChatSession, played: Played, stream: bool = False) 
 
 @dataclass(frozen=True)
 class Client:
-    """One framework's way of playing an episode, and what it needs."""
+    """One framework's way of playing an episode, and what its calls look like."""
 
     modules: tuple[str, ...]
     """The modules ``play`` imports."""
     play: Callable[[ChatSession, Played], Any]
     sync: bool = False
     """``play`` blocks (a sync client): it runs in a thread of its own."""
-    needs: str = ""
-    """The gateway feature it needs beyond chat completions: a module (see :func:`missing`)."""
+    rewrites: bool = False
+    """It sends the history back other than it got it: each call starts a new segment."""
     observation: str = "<tool_response>\n{}\n</tool_response>"
     """How the template renders the tool's result in the next turn's input."""
 
@@ -396,20 +394,17 @@ CLIENTS: dict[str, Client] = {
     "langchain-stream": Client(LANGCHAIN, lambda s, p: langchain(s, p, stream=True),
                                sync=True),
     "agents-chat": Client(AGENTS, lambda s, p: openai_agents(s, p, responses=False)),
-    "agents-responses": Client(AGENTS, lambda s, p: openai_agents(s, p, responses=True),
-                               needs="rlbus.rollout.gateway_responses"),
+    "agents-responses": Client(AGENTS, lambda s, p: openai_agents(s, p, responses=True)),
     "agents-responses-stream": Client(
-        AGENTS, lambda s, p: openai_agents(s, p, responses=True, stream=True),
-        needs="rlbus.rollout.gateway_responses"),
+        AGENTS, lambda s, p: openai_agents(s, p, responses=True, stream=True)),
     # smolagents sends its history back as text ("Calling tools: [...]", the result as a
     # user's "Observation:"), never as the tokens it was given: a new segment each call
-    "smolagents": Client(("openai", "smolagents"), smolagents, sync=True, needs="segments",
+    "smolagents": Client(("openai", "smolagents"), smolagents, sync=True, rewrites=True,
                          observation="Observation:\n{}"),
     "litellm": Client(LITELLM, litellm),
     "litellm-stream": Client(LITELLM, lambda s, p: litellm(s, p, stream=True)),
-    "anthropic": Client(ANTHROPIC, anthropic, needs="rlbus.rollout.gateway_anthropic"),
-    "anthropic-stream": Client(ANTHROPIC, lambda s, p: anthropic(s, p, stream=True),
-                               needs="rlbus.rollout.gateway_anthropic"),
+    "anthropic": Client(ANTHROPIC, anthropic),
+    "anthropic-stream": Client(ANTHROPIC, lambda s, p: anthropic(s, p, stream=True)),
 }
 
 
@@ -428,17 +423,6 @@ class FrameworkAgent(ChatAgent):
 def available(name: str) -> bool:
     return all(importlib.util.find_spec(m.split(".")[0]) is not None
                for m in CLIENTS[name].modules)
-
-
-def missing(feature: str) -> str | None:
-    """Why this build's gateway lacks ``feature`` (a module of its, or segments), or None."""
-    if not feature:
-        return None
-    if feature == "segments":
-        return None if "fresh_context" in Turn.model_fields else (
-            "needs segments (gw-segments): a call that does not extend the recorded history "
-            "starts a new training segment")
-    return None if importlib.util.find_spec(feature) else f"needs {feature}"
 
 
 # ---------------------------------------------------------------- what the gateway received
@@ -580,10 +564,11 @@ def check_episode(t: Trajectory, calls: list[Call], tokenizer: Any, client: Clie
     """The recorded tokens are exactly the answered calls (see the module docstring)."""
     answered = [c for c in calls if c.status == 200]
     assert len(answered) == len(t.turns), (len(answered), len(t.turns), t.error)
+    # one token sequence, unless the framework rewrites what it was given
+    assert [turn.fresh_context for turn in t.turns[1:]] == [client.rewrites] * (len(t.turns) - 1)
     context: list[int] = []
     for k, (call, turn) in enumerate(zip(answered, t.turns, strict=True)):
-        fresh = k == 0 or getattr(turn, "fresh_context", False)
-        context = turn.input_ids if fresh else \
+        context = turn.input_ids if k == 0 or turn.fresh_context else \
             context + t.turns[k - 1].completion_ids + turn.input_ids
         messages, tools = chat_view(call)
         rendered = tokenizer.apply_chat_template(messages, tools=tools,
@@ -688,13 +673,11 @@ def test_the_learner_steps_on_every_clients_group(run: Run, clients: list[str]) 
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))
-def test_a_framework_trains_through_the_gateway(run: Run, clients: list[str], name: str,
-                                                request: pytest.FixtureRequest) -> None:
+def test_a_framework_trains_through_the_gateway(run: Run, clients: list[str],
+                                                name: str) -> None:
     for module in CLIENTS[name].modules:
         pytest.importorskip(module)
     client = CLIENTS[name]
-    if why := missing(client.needs):  # checked all the same: an XPASS says it works now
-        request.applymarker(pytest.mark.xfail(reason=why, strict=False))
     episodes = [e for e in run.scored.values() if e.trajectory.spec.get("client") == name]
     assert len(episodes) == 2
     (trained,) = run.learner.ledger
