@@ -81,9 +81,19 @@ def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> 
         return "failed"
     if not scored.valid or not scored.trajectory.turns:
         return "invalid"
+    if not behaviour_finite(scored.trajectory):
+        return "bad_logprobs"
     if staleness > max_staleness:
         return "stale"
     return None
+
+
+def behaviour_finite(t: Trajectory) -> bool:
+    """Whether every logprob the engine reported for ``t`` is finite: a NaN or infinite one
+    would make the loss NaN (an infinite log-ratio), so its episode is masked instead."""
+    # a float sum is NaN or infinite exactly when a term is (float32 terms cannot overflow
+    # it), and sums in C: a million logprobs a step cost milliseconds
+    return all(math.isfinite(sum(turn.logprobs)) for turn in t.turns)
 
 
 @dataclass
