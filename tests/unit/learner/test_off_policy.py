@@ -397,3 +397,20 @@ def test_an_engines_infinite_logprob_masks_its_episode_and_never_reaches_the_los
     row = stats.row()
     assert row["masked_bad_logprobs"] == 1 and row["masked"] == 1
     assert all(v is None or math.isfinite(v) for v in row.values())
+
+
+def test_seq_mask_judges_each_segment_of_an_episode_on_its_own(folder: Path) -> None:
+    """An episode of two segments is two rows: one whose every weight is 3 (geometric mean
+    3, masked), one that agrees with the learner (1, kept): half the rows masked, and all
+    of the masked one's tokens counted as corrected."""
+    t = trainer(folder, "seq_mask")
+    agree, own = on_policy(t, work(n=2, seed=5))
+    lowered = [lp - math.log(3.0) if s else 0.0 for lp, s in zip(own.logprobs, own.sampled,
+                                                                  strict=True)]
+    segments = [Work(agree.ids, agree.sampled, agree.logprobs, 1.0, episode="run/0/0"),
+                Work(own.ids, own.sampled, lowered, 1.0, episode="run/0/0")]
+    m = t.optimize(segments).mismatch
+    assert m is not None and m.seq_masked_frac == 0.5
+    off, on = sum(own.sampled[1:]), sum(agree.sampled[1:])
+    assert m.corrected_frac == pytest.approx(off / (off + on))
+    assert m.weight_max == pytest.approx(3.0, rel=1e-4)
