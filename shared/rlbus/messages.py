@@ -284,10 +284,12 @@ class Trajectory(Message):
         return sum(len(t.input_ids) + len(t.completion_ids) for t in self.turns)
 
 
-MASK_CAUSES = ("stale", "failed", "invalid")
+MASK_CAUSES = ("stale", "failed", "invalid", "bad_logprobs")
 """Why a scored episode that reached the learner is not trained: weights older than its
-``max_staleness`` allows, a rollout that failed, or no usable reward (a verifier that raised
-or timed out, an episode with no turns). Metrics count each as ``masked_<cause>``."""
+``max_staleness`` allows, a rollout that failed, no usable reward (a verifier that raised
+or timed out, an episode with no turns), or a behaviour logprob that is not finite (an
+engine's NaN or infinity, which would make the loss NaN). Metrics count each as
+``masked_<cause>``."""
 
 
 class ScoredTrajectory(Message):

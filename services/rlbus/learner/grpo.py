@@ -21,6 +21,12 @@ recomputation by the learner: in an async system the batch is a few versions sta
 one gradient step per batch a learner-side recomputation would make rho identically 1 and
 the clip a no-op.
 
+That one ratio mixes two gaps: how many versions old the sampling weights were, and how the
+engine's numbers differ from the trainer's. ``RLBUS_OFF_POLICY__MODE`` splits them
+(decoupled PPO, :mod:`.off_policy`): the ratio is taken against pi_old, the learner's own
+logprobs before this step's update, and each token is weighted by pi_old / mu, truncated or
+masked as the mode says.
+
 A multi-turn episode is one packed sequence: prompt, completion 1, observation 1,
 completion 2, ... with token ids exactly as sampled; only completion tokens carry loss. An
 episode whose agent's history was not linear (the gateway's segments) is several such rows,
@@ -42,6 +48,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 Norm = Literal["token", "sequence", "dr_grpo"]
+
+LOG_RATIO_BOUND = 20.0
+"""Decoupled losses clamp |log ratio| to this before ``exp`` (ratios in [2e-9, 5e8])."""
 
 
 def group_advantages(
@@ -77,6 +86,9 @@ def policy_loss(
     max_tokens: int | None = None,
     whole: Whole | None = None,
     episode_tokens: Tensor | None = None,
+    *,
+    proximal_logprobs: Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped surrogate loss (scalar) and stats: clip_frac, mean_ratio, approx_kl.
 
@@ -91,14 +103,24 @@ def policy_loss(
 
     ``episode_tokens`` (B,): where rows are segments of episodes, the loss tokens of each
     row's whole episode, which norm="sequence" averages over (default: the row's own).
+
+    Decoupled PPO (:mod:`.off_policy`): with ``proximal_logprobs`` (B, T), pi_old's, the
+    ratio is pi_theta / pi_old (its log clamped before ``exp``) instead of pi_theta / mu,
+    and the stats are of that ratio; ``weight`` (B, T), constant, multiplies each token's
+    loss. Without either, the loss is the one-ratio loss above, operation for operation.
     """
     mask = mask.float()
-    log_ratio = logprobs - behaviour_logprobs  # (B, T)
+    if proximal_logprobs is None:
+        log_ratio = logprobs - behaviour_logprobs  # (B, T)
+    else:
+        log_ratio = (logprobs - proximal_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()  # (B, T)
     adv = advantages.float()
     adv = adv if adv.dim() == 2 else adv.unsqueeze(1)  # (B, T) or (B, 1)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B, T)
+    if weight is not None:
+        per_token = per_token * weight.detach()
     loss = _reduce(per_token, mask, norm, max_tokens, whole, episode_tokens)
     return loss, _stats(ratio.detach(), log_ratio.detach(), adv, mask, clip_low, clip_high)
 

@@ -8,7 +8,8 @@ import pytest
 
 from rlbus.learner.stats import EvalStats, MaskCounts, StepStats, UpdateStats, pass_at_k
 
-MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0})
+MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0,
+                                        "bad_logprobs": 0})
 
 
 def step(zero_advantage: int | None = None, update: UpdateStats | None = None) -> StepStats:
@@ -24,7 +25,8 @@ def test_a_grpo_step_row_names_every_figure_and_writes_nan_as_null() -> None:
     row = step(zero_advantage=1, update=update).row()
     assert list(row) == ["loss", "grad_norm", "clip_frac", "mean_ratio", "approx_kl",
                          "micro_batches", "episodes", "trained", "masked", "masked_stale",
-                         "masked_failed", "masked_invalid", "zero_advantage", "reward_mean",
+                         "masked_failed", "masked_invalid", "masked_bad_logprobs",
+                         "zero_advantage", "reward_mean",
                          "success_rate", "staleness_mean", "staleness_max", "turns_mean",
                          "tokens", "segments"]
     assert row["success_rate"] is None and row["masked"] == 1 and row["loss"] == 0.25

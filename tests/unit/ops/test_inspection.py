@@ -221,7 +221,8 @@ def test_status_counts_samples_trained_apart_from_masked_ones_by_cause():
     console.print(render(at(10.0, 4, 100, 1), at(12.0, 6, 150, 3)))
     row = next(line for line in console.file.getvalue().splitlines() if "policy" in line)
     cells = [c.strip() for c in row.split("│")[1:-1]]
-    assert cells == ["policy", "6", "150", "25.0", "3", "2", "0"]  # 50 trained in 2 s
+    # 50 trained in 2 s; masked stale, failed, invalid, bad_logprobs
+    assert cells == ["policy", "6", "150", "25.0", "3", "2", "0", "0"]
 
 
 def test_trace_shortens_large_bad_records_and_json_keeps_them_whole():
