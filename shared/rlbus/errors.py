@@ -178,6 +178,16 @@ class UnknownSettingError(FatalError, ValueError):
     """An RLBUS_* environment variable names no setting of any rlbus service."""
 
 
+class AccessDeniedError(FatalError, PermissionError):
+    """The broker refuses this principal an operation its role needs (an ACL is missing,
+    or the role is used for what is not its own); the message names the operation, the
+    resource and what to fix."""
+
+
+class MissingTopicError(FatalError, LookupError):
+    """A topic of the catalogue does not exist (``rlbus topics create`` makes them)."""
+
+
 class TopicMismatchError(FatalError, RuntimeError):
     """An existing topic does not have the shape the catalogue asks for."""
 

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlbus import logs, telemetry
+from rlbus.errors import AccessDeniedError, MissingTopicError
 from rlbus.plugins import PluginError
 from rlbus.settings import ServiceSettings, UnknownSettingError, tiers
 from rlbus.transport import BrokerConnectError
@@ -71,6 +72,8 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
             summary: dict[str, Any] = runner.run(service.serve())
     except BrokerConnectError as exc:
         raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
+    except (AccessDeniedError, MissingTopicError) as exc:  # a missing ACL or topic
+        raise SystemExit(f"rlbus {name}: {exc}") from None
     except PluginError as exc:  # a task, agent or verifier that cannot be found or loaded
         raise SystemExit(f"rlbus {name}: {exc}") from None
     finally:
