@@ -270,49 +270,53 @@ async def check_access(
     rows = [r for r in acls(topics, roles=[role]) if r.resource_type == ResourceType.TOPIC]
     user = kafka.sasl_username or "the client"
     async with admin_client(kafka) as admin:
-        await _check_topics(admin, kafka, rows, user)
+        await _check_topics(admin, kafka, rows, user, topics.prefix)
         wanted = group or group_name(topics.prefix, role)
         if any(r.resource_type == ResourceType.GROUP for r in acls(topics, roles=[role])):
-            await _check_group(admin, kafka, wanted, user)
+            await _check_group(admin, kafka, wanted, user, topics.prefix)
         for txn in transactional_ids:
-            await _check_transactional_id(admin, kafka, txn, user)
+            await _check_transactional_id(admin, kafka, txn, user, topics.prefix)
 
 
-def _denied(user: str, operation: str, kind: str, name: str) -> AccessDeniedError:
+def _denied(user: str, operation: str, kind: str, name: str, prefix: str
+            ) -> AccessDeniedError:
     return AccessDeniedError(
-        f"the broker does not allow user {user!r} {operation} on {kind} {name!r}; grant "
-        "the role's ACLs with `rlbus acl apply` as the admin principal (docs/security.md)")
+        f"the broker does not allow user {user!r} {operation} on {kind} {name!r}; is it the "
+        f"role's user, and were the ACLs of topic prefix {prefix!r} applied (`rlbus acl "
+        "apply` as the admin principal, docs/security.md)?")
 
 
-async def _check_topics(admin: Any, kafka: KafkaSettings, rows: list[Acl], user: str) -> None:
+async def _check_topics(admin: Any, kafka: KafkaSettings, rows: list[Acl], user: str,
+                        prefix: str) -> None:
     names = sorted({r.name for r in rows})
     found = await with_timeout(topic_operations(admin, names), kafka.request_timeout_s,
                                "metadata")
     for row in rows:
         access = found.get(row.name)
         if access is None or not access.authorized:
-            raise _denied(user, row.operation.name, "topic", row.name)
+            raise _denied(user, row.operation.name, "topic", row.name, prefix)
         if not access.exists:
             raise MissingTopicError(f"topic {row.name} does not exist; create the catalogue "
                                     "with `rlbus topics create` (RLBUS_TOPICS__PREFIX?)")
         if row.operation not in access.operations:
-            raise _denied(user, row.operation.name, "topic", row.name)
+            raise _denied(user, row.operation.name, "topic", row.name, prefix)
 
 
-async def _check_group(admin: Any, kafka: KafkaSettings, group: str, user: str) -> None:
+async def _check_group(admin: Any, kafka: KafkaSettings, group: str, user: str,
+                       prefix: str) -> None:
     try:
         allowed = await with_timeout(group_operations(admin, group, kafka.request_timeout_s),
                                      kafka.request_timeout_s, "describe group")
     except NotAuthorized:
-        raise _denied(user, "READ", "group", group) from None
+        raise _denied(user, "READ", "group", group, prefix) from None
     if Operation.READ not in allowed:
-        raise _denied(user, "READ", "group", group)
+        raise _denied(user, "READ", "group", group, prefix)
 
 
 async def _check_transactional_id(admin: Any, kafka: KafkaSettings, txn: str,
-                                  user: str) -> None:
+                                  user: str, prefix: str) -> None:
     try:
         await with_timeout(coordinator(admin, txn, 1, kafka.request_timeout_s),
                            kafka.request_timeout_s, "find transaction coordinator")
     except NotAuthorized:
-        raise _denied(user, "WRITE", "transactional id", txn) from None
+        raise _denied(user, "WRITE", "transactional id", txn, prefix) from None

@@ -133,6 +133,13 @@ class ChecksumMismatchError(RefusedError, RuntimeError):
     reason = RefusalReason.INVALID
 
 
+class WeightsOutsideStoreError(RefusedError, ValueError):
+    """A WeightVersion's uri names a file outside the configured weight store (or no local
+    file at all): never loaded, dead-lettered."""
+
+    reason = RefusalReason.INVALID
+
+
 class BrokerTimeout(RetriableError, TimeoutError):
     """A broker call did not finish within ``KafkaSettings.request_timeout_s``."""
 

@@ -53,7 +53,7 @@ class KafkaSettings(_Section):
     """SASL password; never logged. Prefer ``sasl_password_file``."""
     sasl_password_file: Path | None = None
     """File holding the SASL password (trailing newline ignored), e.g. a mounted Secret;
-    read at each connection, so a rotated password needs no restart of the settings."""
+    read when a client connects. ``sasl_password``, if set, is used instead."""
     ssl_cafile: Path | None = None
     """CA bundle that signed the broker certificate (SSL, SASL_SSL)."""
     ssl_certfile: Path | None = None
@@ -66,8 +66,6 @@ class KafkaSettings(_Section):
 
     @model_validator(mode="after")
     def _sasl_complete(self) -> KafkaSettings:
-        if self.sasl_password is not None and self.sasl_password_file is not None:
-            raise ValueError("set sasl_password or sasl_password_file, not both")
         if self.security_protocol.startswith("SASL_"):
             missing = [
                 name
@@ -260,6 +258,8 @@ class ServiceSettings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        # a rejected section is quoted whole otherwise, a password in it (KafkaSettings)
+        hide_input_in_errors=True,
     )
 
     kafka: KafkaSettings = KafkaSettings()

@@ -104,15 +104,16 @@ class Demo:
             # backend the "GPU" share is of the machine's memory)
             engine |= settings_env(vllm_enforce_eager=True, vllm_max_model_len=256,
                                    vllm_kv_cache_gib=1, vllm_gpu_memory_utilization=0.2)
+        store = settings_env(weights_dir=self.run_dir / "weights")  # written and read
         extra: dict[str, dict[str, str]] = {
-            "inference": {**model, **engine},
+            "inference": {**model, **engine, **store},
             "reward": {},
             "rollout": model,
             "learner": {
                 **model,
                 **RECIPE,
-                **settings_env(max_steps=self.steps, weights_dir=self.run_dir / "weights",
-                               checkpoint_dir=self.run_dir / "checkpoint",
+                **store,
+                **settings_env(max_steps=self.steps, checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
                 **tracking_env(),
             },

@@ -27,7 +27,8 @@ async def explain_connect_failure(kafka: KafkaSettings, options: dict[str, Any])
     except SaslAuthenticationFailed as exc:
         return (
             f"{where}: authentication failed for user {kafka.sasl_username!r} with "
-            f"{kafka.sasl_mechanism}; check RLBUS_KAFKA__SASL_USERNAME/SASL_PASSWORD ({exc})"
+            f"{kafka.sasl_mechanism}; check RLBUS_KAFKA__SASL_USERNAME and "
+            f"SASL_PASSWORD or SASL_PASSWORD_FILE ({exc})"
         )
     except UnsupportedSaslMechanismError as exc:
         return f"{where} does not accept SASL mechanism {kafka.sasl_mechanism} ({exc})"

@@ -270,7 +270,7 @@ class LocalCluster:
     ``format_args`` are added to ``StorageTool format`` (e.g. ``--add-scram``: in KRaft, SCRAM
     users needed by the brokers themselves must exist before the first start);
     ``client_options`` are the aiokafka security arguments of the readiness check, for
-    clusters whose broker listener is not PLAINTEXT (see tests/support/secure_broker.py).
+    clusters whose broker listener is not PLAINTEXT (see :mod:`rlbus.ops.broker.secure`).
     """
 
     def __init__(
