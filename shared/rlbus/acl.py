@@ -25,6 +25,7 @@ never starts half-authorized and fails later.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -228,14 +229,16 @@ async def _held(admin: Any, kafka: KafkaSettings) -> set[Acl]:
 async def _create(admin: Any, kafka: KafkaSettings, rows: Sequence[Acl]) -> None:
     from aiokafka.protocol.admin import CreateAclsRequest
 
-    # aiokafka's CreateAclsRequest carries one creation per request
-    for row in rows:
+    async def create(row: Acl) -> None:
         request = CreateAclsRequest(row.resource_type, row.name, row.pattern, row.principal,
                                     ANY_HOST, row.operation, ALLOW)
         response = await with_timeout(admin._send_request(request), kafka.request_timeout_s,
                                       "create ACL")
         for code, message in response.creation_responses:
             _raise_for(code, message, f"creating the ACL {row}")
+
+    # aiokafka's CreateAclsRequest carries one creation: the requests go out together
+    await asyncio.gather(*(create(row) for row in rows))
 
 
 def _raise_for(code: int, message: str | None, what: str) -> None:

@@ -11,23 +11,27 @@ a hang fails the test instead of stalling the suite.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from rlbus.acl import Role, acls, apply_acls
 from rlbus.errors import AccessDeniedError, BrokerConnectError
 from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import Prompt, ScoredTrajectory, StepResult, WeightVersion
 from rlbus.ops.broker.secure import SecureCluster, make_certificates
+from rlbus.ops.status import status_command
 from rlbus.reward.service import Reward
 from rlbus.reward.settings import RewardSettings
 from rlbus.settings import KafkaSettings, TopicSettings
@@ -72,7 +76,14 @@ async def make_topics(secure: SecureCluster, prefix: str, *, with_acls: bool = T
 
 @pytest.fixture
 async def topics(secure: SecureCluster, unique_name: Callable[..., str]) -> TopicSettings:
+    """Topics of this test's own, for a test that writes and reads."""
     return await make_topics(secure, unique_name("sec"))
+
+
+@pytest.fixture(scope="module")
+def shared_topics(secure: SecureCluster) -> TopicSettings:
+    """Topics for the tests that are refused: nothing is written, so they can share them."""
+    return asyncio.run(make_topics(secure, f"refused-{uuid.uuid4().hex[:8]}"))
 
 
 def bus_of(secure: SecureCluster, role: Role | str, topics: TopicSettings, **changes: Any
@@ -176,24 +187,24 @@ OUT_OF_ROLE = {
 
 @pytest.mark.parametrize("case", OUT_OF_ROLE, ids=list(OUT_OF_ROLE))
 async def test_a_role_is_refused_outside_its_role_promptly_and_in_one_line(
-    secure: SecureCluster, topics: TopicSettings, case: str
+    secure: SecureCluster, shared_topics: TopicSettings, case: str
 ) -> None:
     role, action, target, line = OUT_OF_ROLE[case]
-    names = Topics(topics)
-    fill = {"prefix": topics.prefix, **{k: getattr(names, k) for k in (
+    names = Topics(shared_topics)
+    fill = {"prefix": shared_topics.prefix, **{k: getattr(names, k) for k in (
         "scored", "weights", "prompts", "results", "trajectories")}}
-    bus = bus_of(secure, role, topics)
+    bus = bus_of(secure, role, shared_topics)
     try:
         if action == "write":
             attempt = _produce(bus, getattr(names, target), factories.prompt())
         elif action == "txn":  # into its own topic, under another role's transactional id
             attempt = _produce(bus, names.trajectories, factories.prompt(),
-                               txn=f"{topics.prefix}.{target}")
+                               txn=f"{shared_topics.prefix}.{target}")
         elif action == "join":  # a topic its role reads, under another role's group
             topic = names.prompts if role == Role.ROLLOUT else names.scored
-            attempt = _consume(bus, topic, f"{topics.prefix}.{target}")
+            attempt = _consume(bus, topic, f"{shared_topics.prefix}.{target}")
         else:
-            attempt = _consume(bus, getattr(names, target), f"{topics.prefix}.{role}")
+            attempt = _consume(bus, getattr(names, target), f"{shared_topics.prefix}.{role}")
         error = await refused(lambda: attempt)
     finally:
         await bus.close()
@@ -215,29 +226,29 @@ async def test_a_service_with_a_missing_acl_does_not_start(
 
 
 def test_the_command_says_what_to_fix_in_one_line(
-    secure: SecureCluster, topics: TopicSettings, tmp_path: Path
+    secure: SecureCluster, shared_topics: TopicSettings, tmp_path: Path
 ) -> None:
     """``rlbus run`` with another role's credentials: exit at start, one line naming it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
     fields = secure.credentials.fields(secure.bootstrap, Role.ROLLOUT)
     env |= {f"RLBUS_KAFKA__{k.upper()}": str(v) for k, v in fields.items()}
-    env |= {"RLBUS_TOPICS__PREFIX": topics.prefix, "RLBUS_TOPICS__PARTITIONS": "1",
+    env |= {"RLBUS_TOPICS__PREFIX": shared_topics.prefix, "RLBUS_TOPICS__PARTITIONS": "1",
             "RLBUS_TOPICS__RESULT_PARTITIONS": "1"}
     proc = subprocess.run([sys.executable, "-m", "rlbus.ops.cli", "run", "reward"], env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rlbus reward: the broker does not allow user 'rollout' READ on "
-                           f"topic '{topics.prefix}.trajectories'"), proc.stderr[-2000:]
+                           f"topic '{shared_topics.prefix}.trajectories'"), proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------- refused at the door
 
 
 async def test_wrong_password_is_refused_promptly_naming_the_user(
-    secure: SecureCluster, topics: TopicSettings, caplog: pytest.LogCaptureFixture
+    secure: SecureCluster, shared_topics: TopicSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
-    bus = bus_of(secure, Role.REWARD, topics, sasl_password="not-the-password")
+    bus = bus_of(secure, Role.REWARD, shared_topics, sasl_password="not-the-password")
     try:
         error = await refused(bus.producer, BrokerConnectError)
     finally:
@@ -260,13 +271,13 @@ async def test_wrong_password_is_refused_promptly_naming_the_user(
     ids=["plaintext", "tls-only", "sasl-only", "untrusted-ca", "other-ca", "sha-256"],
 )
 async def test_other_client_security_is_refused_promptly(
-    secure: SecureCluster, topics: TopicSettings, changes: dict[str, Any], tmp_path: Path
+    secure: SecureCluster, shared_topics: TopicSettings, changes: dict[str, Any], tmp_path: Path
 ) -> None:
     if changes.get("ssl_cafile") == "other-ca":
         changes = {"ssl_cafile": make_certificates(tmp_path, ca_name="another CA").ca}
     kafka = kafka_as(secure, Role.REWARD, **changes)
-    await refused(lambda: Reward(RewardSettings(kafka=kafka, topics=topics)).run(),
-                  BrokerConnectError)
+    reward = Reward(RewardSettings(kafka=kafka, topics=shared_topics))
+    await refused(reward.run, BrokerConnectError)
 
 
 # ------------------------------------------------- training with every role's own principal
@@ -306,6 +317,9 @@ async def test_training_runs_with_every_role_as_its_own_principal_and_forgeries_
     secure: SecureCluster, unique_name: Callable[..., str], tiny_model: Path, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The pipeline trains under ACLs; what a compromised tier sends outside its role is
+    refused and never trained on; no password is in any log, the broker's and `rlbus
+    status`'s included."""
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="aiokafka.conn")  # where the SASL login happens
     topics = await make_topics(secure, unique_name("run"), partitions=2, result_partitions=2)
@@ -328,7 +342,12 @@ async def test_training_runs_with_every_role_as_its_own_principal_and_forgeries_
     assert reward.handled == 16
     assert rollout.counters.get("unsolicited_replies", 0) == 0
 
-    logs = caplog.text + "".join(
+    status = Console(file=io.StringIO(), width=120)
+    assert await status_command(kafka_as(secure), Topics(topics), True, 1.0, status) == 0
+    shown = status.file.getvalue()
+    assert "trajectories.scored" in shown
+
+    logs = shown + caplog.text + "".join(
         p.read_text(errors="replace") for p in secure.cluster.log_path(0).parent.iterdir())
     assert "Authenticated as inference via SCRAM-SHA-512" in logs  # the logs were captured
     leaked = [role for role, password in secure.passwords.items() if password in logs]
