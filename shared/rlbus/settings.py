@@ -284,7 +284,8 @@ class ServiceSettings(BaseSettings):
     """On SIGTERM, how long to finish in-flight work before giving it back."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop: uvloop (faster per message; docs/performance.md) where it is
-    installed (not on Windows, which falls back to asyncio's own), or asyncio's own."""
+    installed (not on Windows, which falls back to asyncio's own) and Kafka is not spoken
+    over TLS (:func:`rlbus.runner.loop_factory`), or asyncio's own."""
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:
