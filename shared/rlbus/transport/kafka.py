@@ -86,7 +86,9 @@ def access_denied(exc: Exception, kafka: KafkaSettings | None,
     """The broker's refusal ``exc`` (an aiokafka authorization error) in one line that
     names the principal, the operation (``operation`` on a topic) and the resource."""
     op, kind = _REFUSALS.get(type(exc), (None, "resource"))
-    name = f" {exc.args[0]!r}" if exc.args and isinstance(exc.args[0], str) else ""
+    named = exc.args[0] if exc.args else None  # aiokafka gives a name, or a set of them
+    names = [named] if isinstance(named, str) else sorted(map(str, named or ()))
+    name = "".join(f" {n!r}" for n in names[:3])
     user = f"user {kafka.sasl_username!r}" if kafka and kafka.sasl_username else "this client"
     return AccessDeniedError(
         f"the broker does not allow {user} {op or operation} on {kind}{name}; "

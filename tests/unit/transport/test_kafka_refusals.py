@@ -32,6 +32,8 @@ KAFKA = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-51
      "does not allow user 'rollout' READ on group 'p.learner'"),
     (TransactionalIdAuthorizationFailed("p.reward-0"), "WRITE",
      "does not allow user 'rollout' WRITE on transactional id 'p.reward-0'"),
+    (TopicAuthorizationFailedError({"p.weights"}), "READ",  # as aiokafka's fetcher gives it
+     "does not allow user 'rollout' READ on topic 'p.weights'"),
 ])
 def test_each_refusal_names_user_operation_and_resource(error: Exception, operation: str,
                                                         line: str) -> None:
