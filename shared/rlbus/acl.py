@@ -202,12 +202,6 @@ async def apply_acls(kafka: KafkaSettings, rows: Sequence[Acl]) -> list[Acl]:
     return missing
 
 
-async def describe_acls(kafka: KafkaSettings) -> set[Acl]:
-    """Every ALLOW row on the broker (of the resource types and operations above)."""
-    async with admin_client(kafka) as admin:
-        return await _held(admin, kafka)
-
-
 async def _held(admin: Any, kafka: KafkaSettings) -> set[Acl]:
     from aiokafka.protocol.admin import DescribeAclsRequest
 
@@ -253,7 +247,6 @@ def _raise_for(code: int, message: str | None, what: str) -> None:
     raise RuntimeError(f"{what} failed: {error.__name__} {message or ''}".strip())
 
 
-
 # ------------------------------------------------------------------ the start-up check
 
 
@@ -270,13 +263,15 @@ async def check_access(
     answer), READ on its consumer group ``group`` (default :func:`group_name`) and, for
     each of ``transactional_ids``, what finding its coordinator needs (DESCRIBE; WRITE is
     checked when the transactional producer starts). A missing topic is an error too."""
-    rows = [r for r in acls(topics, roles=[role]) if r.resource_type == ResourceType.TOPIC]
+    rows = acls(topics, roles=[role])
     user = kafka.sasl_username or "the client"
     async with admin_client(kafka) as admin:
-        await _check_topics(admin, kafka, rows, user, topics.prefix)
-        wanted = group or group_name(topics.prefix, role)
-        if any(r.resource_type == ResourceType.GROUP for r in acls(topics, roles=[role])):
-            await _check_group(admin, kafka, wanted, user, topics.prefix)
+        await _check_topics(admin, kafka, [r for r in rows
+                                           if r.resource_type == ResourceType.TOPIC],
+                            user, topics.prefix)
+        if any(r.resource_type == ResourceType.GROUP for r in rows):
+            await _check_group(admin, kafka, group or group_name(topics.prefix, role), user,
+                               topics.prefix)
         for txn in transactional_ids:
             await _check_transactional_id(admin, kafka, txn, user, topics.prefix)
 
