@@ -25,7 +25,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 from rlbus import telemetry
-from rlbus.errors import Refusal
+from rlbus.errors import Refusal, WeightsMismatchError
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.engines import make_engine
 from rlbus.inference.settings import InferenceSettings
@@ -120,7 +120,7 @@ class Inference(Service[InferenceSettings]):
         t0 = time.perf_counter()
         try:
             await self.engine.load(w.uri, w.checksum, w.version)
-        except (ChecksumMismatchError, OSError) as exc:
+        except (ChecksumMismatchError, WeightsMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
             self._refused, self._refused_error = w.version, str(exc)

@@ -429,7 +429,8 @@ class RolloutClient:
         check(prepared, reference, version)
         prefer = set(reference.specs) if reference is not None else set()
         s = self.settings
-        folder, digest = write_version(prepared, s.weights_dir, version, s.keep_weights, prefer)
+        folder, digest = write_version(prepared, s.weights_dir, version, s.keep_weights, prefer,
+                                       s.weights_checksum)
         self._reference = Reference(read_header(folder / WEIGHTS_FILE),
                                     f"v{version} ({folder})", exact_dtypes=True)
         return str(folder.resolve()), digest
