@@ -169,3 +169,15 @@ def test_the_index_refuses_headers_that_do_not_tile_the_file(tmp_path):
     for data in bad:
         with pytest.raises(ChecksumMismatchError, match="not a safetensors file"):
             safetensors_index(data)
+
+
+def test_a_version_written_into_a_preallocated_file_is_the_same_file(tmp_path):
+    from rlbus.client.tensors import preallocate, prepare, write_version
+    from rlbus.weights import file_checksum
+
+    fresh, checksum = write_version(prepare(_tensors()), tmp_path / "a", 1, 1, set())
+    preallocate(tmp_path / "b", 1, 1 << 16)  # longer than the file: cut to its length
+    folder, again = write_version(prepare(_tensors()), tmp_path / "b", 1, 1, set())
+    assert again == checksum == file_checksum(weights_file(str(folder)))
+    assert weights_file(str(folder)).read_bytes() == weights_file(str(fresh)).read_bytes()
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["v000001"]
