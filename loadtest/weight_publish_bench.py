@@ -290,7 +290,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mb", type=float, default=1000, help="size of the large model (fp32 MB)")
     p.add_argument("--repeats", type=int, default=5, help="counted rounds per arm")
     p.add_argument("--out", type=Path, help="output folder (default runs/weight-publish-<time>)")
-    p.add_argument("--smoke", action="store_true", help="a 20 MB model, 1 round: the harness")
+    p.add_argument("--smoke", action="store_true", help="a small model, 1 round: the harness")
+    p.add_argument("--store", type=Path, default=None,
+                   help="where the weight store lies (default: the system's temporary "
+                        "folder, on disk here; /dev/shm puts it in memory)")
     return p.parse_args(argv)
 
 
@@ -310,16 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     from rlbus.ops.broker import bootstrap_or_start
 
     repeats = 1 if args.smoke else args.repeats
-    results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "rows": []}
+    results: dict[str, Any] = {"machine": report.machine(), "argv": sys.argv[1:], "rows": [],
+                               "store": str(args.store or tempfile.gettempdir())}
     say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP)")
     bootstrap, cluster = bootstrap_or_start()
     try:
         with tempfile.TemporaryDirectory(prefix="weight-publish-") as tmp:
             for name, folder in models(Path(tmp), args):
                 say(f"{name}: {repeats} rounds per arm")
-                store = Path(tmp) / f"store-{len(results['rows'])}"
-                results["rows"].append(asyncio.run(measure(bootstrap, folder, name, repeats,
-                                                           store)))
+                with tempfile.TemporaryDirectory(prefix="weight-store-",
+                                                 dir=args.store) as store:
+                    results["rows"].append(asyncio.run(measure(bootstrap, folder, name,
+                                                               repeats, Path(store))))
                 report.write_json(out, results, "weight_publish.json")
     finally:
         if cluster is not None:

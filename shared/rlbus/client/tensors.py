@@ -288,10 +288,9 @@ def _tmp_folder(weights_dir: Path, version: int) -> Path:
 
 def preallocate(weights_dir: Path, version: int, size: int) -> None:
     """Reserve ``size`` bytes for version ``version``'s file in its (private) temporary
-    folder, ahead of time: the write then does not allocate blocks as it goes. On this
-    project's ext4 disk a 1 GB write took 0.4-0.9 s into a preallocated file against
-    1.6-1.7 s into a new one (docs/performance.md, section 10). A filesystem that cannot
-    preallocate is left to allocate as it writes."""
+    folder, ahead of time: the write then does not allocate blocks as it goes (a 1 GB
+    write here: 0.4-0.9 s into a preallocated file, 0.3-1.7 s into a new one; section 10 of
+    docs/performance.md). A filesystem that cannot preallocate allocates as it writes."""
     tmp = _tmp_folder(weights_dir, version)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
