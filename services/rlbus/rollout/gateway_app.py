@@ -75,8 +75,8 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
     app.get("/v1/models")(models)
     app.get("/s/{session_id}/v1/models")(models)
 
-    async def chat(request: Request, session_id: str | None = None) -> Response:
-        session = _session(sessions, request, session_id)
+    async def chat(request: Request) -> Response:
+        session = _session(sessions, request, request.path_params.get("session_id"))
         req = await _parse(request, max_body_bytes)
         if req.model != model:
             raise GatewayError(404, f"the model {req.model!r} does not exist; this gateway "
@@ -90,8 +90,10 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
                 ["data: [DONE]\n\n"]))
         return JSONResponse(completion)
 
-    app.post("/v1/chat/completions")(chat)
-    app.post("/s/{session_id}/v1/chat/completions")(chat)
+    # plain Starlette routes: chat reads its body itself, and FastAPI's parameter solving
+    # and response wrapping would only add to every call (docs/performance.md §5)
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/s/{session_id}/v1/chat/completions", chat, methods=["POST"])
     return app
 
 
