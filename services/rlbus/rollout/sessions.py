@@ -206,27 +206,21 @@ class Session:
             return new, new
         if tools != self.tools:
             self.diverge("the tools differ from the session's first call")
-        last = max((i for i, m in enumerate(req.messages) if m.get("role") == "assistant"),
-                   default=None)
-        if last is None:
-            self.diverge("the messages do not contain the session's last reply")
-        base = self.render(req.messages[: last + 1], req.tools, generation_prompt=False)
-        if not full.startswith(base):
-            self.diverge("the template renders the history differently once more messages "
-                         "follow it")
-        end = base.rfind(self.eos_text)
-        if end < 0:
-            self.diverge("the rendered history has no end-of-turn token")
-        finished = self.ids[-1] == self.tokenizer.eos_token_id
-        cut = end + (len(self.eos_text) if finished else 0)
+        # The text of the recorded ids must begin the rendering and the new ids are the
+        # rest: one rendering per call, as the template is most of the gateway's own cost
+        # and grows with the history.
         seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        if seen != base[:cut]:
-            at = next((i for i, (a, b) in enumerate(zip(seen, base, strict=False)) if a != b),
-                      min(len(seen), cut))
+        if not full.startswith(seen):
+            at = next((i for i, (a, b) in enumerate(zip(seen, full, strict=False)) if a != b),
+                      min(len(seen), len(full)))
             self.diverge(f"the history renders to other text than the tokens the model saw, "
                          f"from character {at}: saw {seen[at:at + 40]!r}, template gives "
-                         f"{base[at:at + 40]!r}")
-        new = self.tokenizer.encode(full[cut:], add_special_tokens=False)
+                         f"{full[at:at + 40]!r}")
+        if (self.ids[-1] != self.tokenizer.eos_token_id
+                and not full.startswith(self.eos_text, len(seen))):
+            self.diverge("the last reply ended without an end-of-turn token and the messages "
+                         "go on with it")
+        new = self.tokenizer.encode(full[len(seen):], add_special_tokens=False)
         return self.ids + new, new
 
     def diverge(self, why: str) -> NoReturn:
