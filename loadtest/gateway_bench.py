@@ -7,10 +7,12 @@ event loop the services use (uvloop unless ``--event-loop asyncio``):
 - **direct**: one StepRequest round trip, as the built-in agent makes it (``Rollout._ask``);
 - **gateway**: one chat completion through the official ``openai`` client to the rollout
   tier's gateway, which renders the chat template, makes the same StepRequest and answers;
-- **stream**: the same with ``stream=True``, timed until the last event is read.
+- **stream**: the same with ``stream=True``, timed until the last event is read;
+- **http**: the same request as a plain ``httpx`` POST, its answer read with ``json()``:
+  the gateway without the SDK's own work (building the request, parsing the answer).
 
 An agent makes several calls per episode with one client: each measured session has its
-own ``openai`` client (so its first call opens the connection, later ones reuse it) and
+own client (so its first call opens the connection, later ones reuse it) and
 plays ``--turns`` turns, appending each reply and a new user message. Each direct call
 sends a context as long as that turn's gateway context (recorded in the warm-up). Calls are
 sequential (one in flight) and interleaved: each turn times one call of every arm, in an
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
 from rlbus.api import ChatAgent, ChatSession, Generation
@@ -54,7 +57,7 @@ from rlbus.transport import KafkaBus
 
 SYSTEM = {"role": "system", "content": "you are terse"}
 QUESTION = "what is {} + 2 ? answer with a number"
-ARMS = ("direct", "gateway", "stream")
+ARMS = ("direct", "http", "gateway", "stream")
 PROMPT = Prompt(group_id="bench", task="guess_number", spec={}, group_size=1,
                 sampling=Sampling(max_new_tokens=8))
 
@@ -101,15 +104,20 @@ class Recording:
 class Chat:
     """One measured session of one arm: its client, its conversation, its turn."""
 
-    def __init__(self, rollout: Rollout, name: str, stream: bool) -> None:
-        self.rollout, self.name, self.stream = rollout, name, stream
+    def __init__(self, rollout: Rollout, name: str, arm: str) -> None:
+        self.rollout, self.name, self.arm = rollout, name, arm
         self.messages: list[dict[str, Any]] = [SYSTEM, {"role": "user",
                                                         "content": QUESTION.format(0)}]
         self.policy = Recording(KafkaPolicy(rollout, PROMPT, name))
         self.turn = 0
 
-    async def call(self, client: openai.AsyncOpenAI, model: str) -> None:
-        if self.stream:
+    async def call(self, client: Any, model: str) -> None:
+        if self.arm == "http":
+            r = await client.post("chat/completions", json={
+                "model": model, "messages": self.messages, "max_tokens": 8})
+            r.raise_for_status()
+            content = r.json()["choices"][0]["message"]["content"] or ""
+        elif self.arm == "stream":
             parts = []
             events = await client.chat.completions.create(
                 model=model, messages=self.messages, max_tokens=8, stream=True)
@@ -152,7 +160,7 @@ class Bench:
     async def session_round(self, tag: str, measured: bool) -> list[list[int]]:
         """A session per gateway arm, ``turns`` turns, every arm timed once per turn in a
         rotating order; returns the contexts of the non-streamed session."""
-        chats = {a: Chat(self.rollout, f"bench/{tag}-{a}", stream=a == "stream")
+        chats = {a: Chat(self.rollout, f"bench/{tag}-{a}", a)
                  for a in self.arms if a != "direct"}
         async with contextlib.AsyncExitStack() as stack:
             clients = {a: await self.client(stack, chat) for a, chat in chats.items()}
@@ -170,13 +178,17 @@ class Bench:
                         self.timings.add(arm, wall, cpu, first=turn == 0)
         return chats["gateway"].policy.contexts if "gateway" in chats else []
 
-    async def client(self, stack: contextlib.AsyncExitStack, chat: Chat) -> openai.AsyncOpenAI:
+    async def client(self, stack: contextlib.AsyncExitStack, chat: Chat) -> Any:
         """A gateway session for ``chat`` and the agent's client for it, as an agent has."""
         s = await stack.enter_async_context(self.gateway.session(
             policy=chat.policy, tokenizer=self.tok, sampling=PROMPT.sampling,
             max_context_tokens=4096))
-        client = openai.AsyncOpenAI(base_url=self.gateway.base_url(s.id), api_key=s.id,
-                                    max_retries=0)
+        url = self.gateway.base_url(s.id)
+        if chat.arm == "http":
+            plain = httpx.AsyncClient(base_url=url + "/", timeout=30)
+            stack.push_async_callback(plain.aclose)
+            return plain
+        client = openai.AsyncOpenAI(base_url=url, api_key=s.id, max_retries=0)
         stack.push_async_callback(client.close)
         return client
 
@@ -227,7 +239,7 @@ async def bench(bootstrap: str, model: Path, args: argparse.Namespace) -> dict[s
                     r.result()  # a service that failed to start: say why
             await asyncio.sleep(0.1)
         await asyncio.sleep(2)  # consumer groups settle
-        arms = ARMS if args.stream else ("direct", "gateway")
+        arms = tuple(a for a in ARMS if a != "stream" or args.stream)
         result = await Bench(rollout, arms, args.turns).run(args.warmup, args.measured,
                                                             args.sessions)
     finally:
