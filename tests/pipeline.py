@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from rlbus.inference.engine import Engine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
 from rlbus.learner.service import Learner
@@ -34,10 +35,12 @@ def settings(model: Path, run: Path, common: dict[str, Any], **learner: Any) -> 
     }
 
 
-async def run_pipeline(s: dict[str, Any], make_bus: Any) -> dict[str, Any]:
-    """Start inference, reward and rollout; run the learner to max_steps; stop the rest."""
+async def run_pipeline(s: dict[str, Any], make_bus: Any,
+                       engine: Engine | None = None) -> dict[str, Any]:
+    """Start inference (on ``engine``, else the one its settings name), reward and rollout;
+    run the learner to max_steps; stop the rest."""
     others = [
-        Inference(s["inference"], make_bus("inference")),
+        Inference(s["inference"], make_bus("inference"), engine=engine),
         Reward(s["reward"], make_bus("reward")),
         Rollout(s["rollout"], make_bus("rollout")),
     ]

@@ -175,6 +175,12 @@ class ChatSession:
     spec: TaskSpec
     env: Env
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The same endpoint for an Anthropic client (``Anthropic(base_url=...,
+        api_key=session.api_key)``; the SDK appends ``/v1/messages``)."""
+        return self.base_url.removesuffix("/v1")
+
 
 class ChatAgent(ABC):
     """An agent written against an OpenAI client: ``run`` plays one episode through the

@@ -174,6 +174,12 @@ class PositionError(FatalError, ValueError):
     format, or of another topic)."""
 
 
+class SegmentedEpisodeError(FatalError, ValueError):
+    """A trainer asked an episode of several segments for its one token sequence
+    (``Episode.token_ids``): there is none the model saw. Train each of its ``segments``, or
+    run the rollout tier's gateway with ``RLBUS_GATEWAY_HISTORY=strict``."""
+
+
 class UnknownSettingError(FatalError, ValueError):
     """An RLBUS_* environment variable names no setting of any rlbus service."""
 

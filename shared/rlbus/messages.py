@@ -202,7 +202,8 @@ class Turn(BaseModel):
 
     ``input_ids`` are the tokens appended to the context before this turn's completion (the
     prompt for turn 0, the environment's observation afterwards); the model saw
-    ``concat(input_ids, completion_ids of every earlier turn …)`` exactly as sent.
+    ``concat(input_ids, completion_ids of every earlier turn …)`` exactly as sent, back to
+    the latest turn with ``fresh_context`` (see :meth:`Trajectory.segments`).
     Invariant: ``len(logprobs) == len(completion_ids)``.
     """
 
@@ -218,6 +219,11 @@ class Turn(BaseModel):
     env_reward: float = 0.0
     tool_call: ToolCall | None = None
     """Set when this turn's action was a tool call: its observation is the tool's answer."""
+    fresh_context: bool = False
+    """This turn's ``input_ids`` are the call's whole context; the turns before it are not
+    part of what the model saw: a new segment starts here (an agent whose history did not
+    extend what it was given: trimmed, summarised, edited, retried). False in records
+    written before segments existed, which are linear."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:
@@ -259,15 +265,31 @@ class Trajectory(Message):
         return self.model_copy(update={"turns": [], "spec": {}, "status": "failed",
                                        "error": error})
 
+    def segments(self) -> list[list[Turn]]:
+        """The turns as the token sequences the model saw: a new one at each turn with
+        ``fresh_context`` (the first turn always starts one). A linear episode is one
+        segment; one with no turns has none. Each turn is in exactly one segment, so every
+        sampled token is in exactly one."""
+        out: list[list[Turn]] = []
+        for turn in self.turns:
+            if turn.fresh_context or not out:
+                out.append([])
+            out[-1].append(turn)
+        return out
+
     @property
     def num_tokens(self) -> int:
+        """Tokens of all its segments together: a context shared by two segments counts in
+        each (it is a trainer's work twice)."""
         return sum(len(t.input_ids) + len(t.completion_ids) for t in self.turns)
 
 
-MASK_CAUSES = ("stale", "failed", "invalid")
+MASK_CAUSES = ("stale", "failed", "invalid", "bad_logprobs")
 """Why a scored episode that reached the learner is not trained: weights older than its
-``max_staleness`` allows, a rollout that failed, or no usable reward (a verifier that raised
-or timed out, an episode with no turns). Metrics count each as ``masked_<cause>``."""
+``max_staleness`` allows, a rollout that failed, no usable reward (a verifier that raised
+or timed out, an episode with no turns), or a behaviour logprob that is not finite (an
+engine's NaN or infinity, which would make the loss NaN). Metrics count each as
+``masked_<cause>``."""
 
 
 class ScoredTrajectory(Message):

@@ -81,12 +81,55 @@ async def test_an_openai_agent_trains_through_the_gateway(kafka_bootstrap, uniqu
     (row,) = [r for r in rows if "loss" in r]
     assert row["episodes"] == 32
     # Every episode is two gateway calls, recorded exactly (the first rendered by the chat
-    # template, the second the recorded ids + the new messages only). The documented rule
-    # for a history that no longer renders to the tokens the model saw (fail the episode)
-    # does not fire: the agent echoes what it was sent, and the template is prefix-stable.
+    # template, the second the recorded ids + the new messages only): one segment each.
+    # The documented rule for a history that no longer renders to the tokens the model saw
+    # (a new segment) does not fire: the agent echoes what it was sent, and the template
+    # is prefix-stable.
     assert row["masked"] == 0 and row["turns_mean"] == 2.0, row
+    assert row["segments"] == 32, row
     assert rollout.gateway is not None and not rollout.gateway.sessions  # all closed
     assert rollout.counters.get("failed_episodes", 0) == row["masked"]
+
+
+class TrimmingAgent(ChatAgent):
+    """An agent that keeps its memory short: its third call drops the first exchange and
+    carries a summary instead, so the history does not extend what the model was given."""
+
+    async def run(self, session: ChatSession) -> None:
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key,
+                                    max_retries=0)
+        system = {"role": "system", "content": "answer with one number"}
+        messages: list = [system, {"role": "user",
+                                   "content": await session.env.reset(session.spec)}]
+        for ask in ("try again", None):
+            r = await client.chat.completions.create(model=session.model, messages=messages,
+                                                     max_tokens=6)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": ask or "last try"}]
+        messages = [system, {"role": "user", "content": "(earlier guesses summarised)"},
+                    *messages[-2:]]
+        await client.chat.completions.create(model=session.model, messages=messages,
+                                             max_tokens=6)
+        await client.close()
+
+
+async def test_an_agent_that_trims_its_history_trains_each_segment(
+        kafka_bootstrap, unique_name, chat_model, tmp_path):
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
+    topics = TopicSettings(prefix=unique_name("gwseg"), partitions=2, result_partitions=2)
+    await ensure_topics(kafka, topics)
+    s = settings(chat_model, tmp_path, {"kafka": kafka, "topics": topics},
+                 max_steps=1, groups_per_step=2, group_size=4, max_new_tokens=6,
+                 entropy_coef=0.01)  # a group that scored alike trains too (its entropy)
+    s["rollout"] = s["rollout"].model_copy(update={
+        "agent": f"{__name__}:TrimmingAgent", "max_context_tokens": 2048})
+    out = await run_pipeline(s, bus_factory(KafkaBus, kafka=kafka, dlq_topic=Topics(topics).dlq))
+    assert out["learner"].step == 1
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if "loss" in r]
+    # 8 episodes of 3 calls: calls 1-2 one segment, the trimmed call 3 another; all trained
+    assert (row["episodes"], row["masked"], row["turns_mean"]) == (8, 0, 3.0), row
+    assert row["segments"] == 16 and row["loss"] is not None and row["entropy"] > 0, row
 
 
 async def test_a_chat_agent_needs_the_policy_tokenizer(unique_name):

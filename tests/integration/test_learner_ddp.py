@@ -40,12 +40,13 @@ def _run(argv: list[str]) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-@pytest.mark.parametrize(("norm", "micro"), [("token", None), ("dr_grpo", 40)])
+@pytest.mark.parametrize(("norm", "micro", "off_policy"),
+                         [("token", None, "none"), ("dr_grpo", 40, "none"), ("token", 40, "tis")])
 def test_two_ranks_train_what_one_process_trains(model: Path, tmp_path: Path, norm: str,
-                                                 micro: int | None) -> None:
+                                                 micro: int | None, off_policy: str) -> None:
     """Three steps of 7, 1 and 4 sequences (rank 1 has nothing in the second: it joins with
-    a zero gradient), with gradient accumulation in the dr_grpo case."""
-    args = [str(model), "--loss-norm", norm, "--steps", "3"]
+    a zero gradient), with gradient accumulation in the dr_grpo and tis cases."""
+    args = [str(model), "--loss-norm", norm, "--steps", "3", "--off-policy", off_policy]
     if micro:
         args += ["--micro-batch-tokens", str(micro)]
     _run([sys.executable, str(SCRIPT), args[0], str(tmp_path / "one"), *args[1:]])
@@ -67,6 +68,7 @@ def test_two_ranks_train_what_one_process_trains(model: Path, tmp_path: Path, no
     for a, b in zip(alone, leader, strict=True):  # figures are of the whole batch
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5)
+        assert b["mismatch"] == pytest.approx(a["mismatch"], rel=1e-5)  # max over ranks too
 
 
 @pytest.mark.kafka

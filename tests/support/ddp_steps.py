@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rlbus.learner.settings import LearnerSettings
+from rlbus.learner.settings import LearnerSettings, OffPolicySettings
 from rlbus.learner.trainer import Trainer
 from rlbus.learner.work import Work
 
@@ -47,9 +47,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--loss-norm", default="token")
     p.add_argument("--micro-batch-tokens", type=int, default=None)
+    p.add_argument("--off-policy", default="none")
     a = p.parse_args()
     cfg = LearnerSettings(model_path=a.model, lr=1e-2, torch_threads=1, loss_norm=a.loss_norm,
-                          micro_batch_tokens=a.micro_batch_tokens, entropy_coef=0.01)
+                          micro_batch_tokens=a.micro_batch_tokens, entropy_coef=0.01,
+                          off_policy=OffPolicySettings(mode=a.off_policy))
     trainer = Trainer(cfg)
     world = trainer.world
     stats: list[dict[str, object]] = []

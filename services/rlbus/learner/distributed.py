@@ -85,6 +85,14 @@ class World:
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return values
 
+    def all_max(self, value: float) -> float:
+        """The largest of the ranks' ``value`` (a figure such as a step's largest weight)."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
+
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

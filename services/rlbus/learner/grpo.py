@@ -21,8 +21,20 @@ recomputation by the learner: in an async system the batch is a few versions sta
 one gradient step per batch a learner-side recomputation would make rho identically 1 and
 the clip a no-op.
 
+That one ratio mixes two gaps: how many versions old the sampling weights were, and how the
+engine's numbers differ from the trainer's. ``RLBUS_OFF_POLICY__MODE`` splits them
+(decoupled PPO, :mod:`.off_policy`): the ratio is taken against pi_old, the learner's own
+logprobs before this step's update, and each token is weighted by pi_old / mu, truncated or
+masked as the mode says.
+
 A multi-turn episode is one packed sequence: prompt, completion 1, observation 1,
-completion 2, ... with token ids exactly as sampled; only completion tokens carry loss.
+completion 2, ... with token ids exactly as sampled; only completion tokens carry loss. An
+episode whose agent's history was not linear (the gateway's segments) is several such rows,
+one per segment, each with the episode's advantage; every sampled token is in exactly one
+of them. The norms count episodes, not rows, so that a k-segment episode weighs what the
+same turns would weigh as one linear episode: "token" is unchanged (each sampled token
+weighs the same), "sequence" averages over all of an episode's segments' tokens
+(``episode_tokens``), and "dr_grpo" divides by the number of episodes.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 Norm = Literal["token", "sequence", "dr_grpo"]
+
+LOG_RATIO_BOUND = 20.0
+"""Decoupled losses clamp |log ratio| to this before ``exp`` (ratios in [2e-9, 5e8])."""
 
 
 def group_advantages(
@@ -70,6 +85,10 @@ def policy_loss(
     norm: Norm = "token",
     max_tokens: int | None = None,
     whole: Whole | None = None,
+    episode_tokens: Tensor | None = None,
+    *,
+    proximal_logprobs: Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped surrogate loss (scalar) and stats: clip_frac, mean_ratio, approx_kl.
 
@@ -78,18 +97,31 @@ def policy_loss(
     turn-level credit. max_tokens (norm="dr_grpo" only) defaults to T.
 
     ``whole``: when these B sequences are one micro-batch of a larger batch, the batch's
-    token and sequence counts; the loss is then this micro-batch's share of the whole
+    token and episode counts; the loss is then this micro-batch's share of the whole
     batch's loss, so the micro-batch losses sum (and their gradients accumulate) to exactly
-    the one-batch values.
+    the one-batch values. Without it every row is an episode of its own.
+
+    ``episode_tokens`` (B,): where rows are segments of episodes, the loss tokens of each
+    row's whole episode, which norm="sequence" averages over (default: the row's own).
+
+    Decoupled PPO (:mod:`.off_policy`): with ``proximal_logprobs`` (B, T), pi_old's, the
+    ratio is pi_theta / pi_old (its log clamped before ``exp``) instead of pi_theta / mu,
+    and the stats are of that ratio; ``weight`` (B, T), constant, multiplies each token's
+    loss. Without either, the loss is the one-ratio loss above, operation for operation.
     """
     mask = mask.float()
-    log_ratio = logprobs - behaviour_logprobs  # (B, T)
+    if proximal_logprobs is None:
+        log_ratio = logprobs - behaviour_logprobs  # (B, T)
+    else:
+        log_ratio = (logprobs - proximal_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = log_ratio.exp()  # (B, T)
     adv = advantages.float()
     adv = adv if adv.dim() == 2 else adv.unsqueeze(1)  # (B, T) or (B, 1)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B, T)
-    loss = _reduce(per_token, mask, norm, max_tokens, whole)
+    if weight is not None:
+        per_token = per_token * weight.detach()
+    loss = _reduce(per_token, mask, norm, max_tokens, whole, episode_tokens)
     return loss, _stats(ratio.detach(), log_ratio.detach(), adv, mask, clip_low, clip_high)
 
 
@@ -98,22 +130,24 @@ class Whole:
     """Counts over the whole batch that a micro-batch's loss is normalised by."""
 
     tokens: float  # loss-mask tokens of the whole batch
-    sequences: int  # sequences of the whole batch
+    episodes: int  # episodes of the whole batch (a k-segment episode is k rows, one episode)
 
 
 def _reduce(
-    per_token: Tensor, mask: Tensor, norm: Norm, max_tokens: int | None, whole: Whole | None
+    per_token: Tensor, mask: Tensor, norm: Norm, max_tokens: int | None, whole: Whole | None,
+    episode_tokens: Tensor | None = None,
 ) -> Tensor:
     """Average the (B, T) token losses into one scalar as `norm` prescribes."""
     summed = (per_token * mask).sum(dim=1)  # (B,)
     tokens = mask.sum().clamp(min=1.0) if whole is None else max(whole.tokens, 1.0)
-    sequences = per_token.shape[0] if whole is None else whole.sequences
+    episodes = per_token.shape[0] if whole is None else whole.episodes
     if norm == "token":
         return summed.sum() / tokens
     if norm == "sequence":
-        return (summed / mask.sum(dim=1).clamp(min=1.0)).sum() / sequences
+        own = mask.sum(dim=1) if episode_tokens is None else episode_tokens.float()  # (B,)
+        return (summed / own.clamp(min=1.0)).sum() / episodes
     if norm == "dr_grpo":
-        return summed.sum() / (sequences * (max_tokens or per_token.shape[1]))
+        return summed.sum() / (episodes * (max_tokens or per_token.shape[1]))
     raise ValueError(f"unknown norm {norm!r}")
 
 

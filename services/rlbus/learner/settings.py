@@ -6,12 +6,50 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rlbus.prompt_data import DatasetSettings
 from rlbus.settings import ServiceSettings
 from rlbus.tracking.base import TrackingSink
+
+OffPolicyMode = Literal["none", "decoupled", "tis", "token_mask", "seq_mask"]
+
+
+class OffPolicySettings(BaseModel):
+    """How the loss corrects for the gap between the behaviour policy mu (the logprobs the
+    engine reported while sampling) and pi_old (the weights the learner trains from), both
+    stale versions and engine-vs-trainer numerics (``RLBUS_OFF_POLICY__*``; docs/off-policy.md).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: OffPolicyMode = "none"
+    """none: one ratio pi_theta/mu, PPO-clipped (the loss as it always was). decoupled:
+    decoupled PPO (AReaL), the ratio pi_theta/pi_old clipped, each token weighted by
+    w = pi_old/mu. tis: decoupled with w truncated at ``tis_cap``. token_mask: decoupled,
+    tokens whose w is outside [token_low, token_high] get no gradient (IcePop).
+    seq_mask: decoupled, a sequence whose geometric-mean w is outside [seq_low, seq_high]
+    gets no gradient."""
+    tis_cap: float = Field(default=2.0, gt=0)
+    """mode=tis: the most a token's weight pi_old/mu counts (verl, slime, SkyRL: 2)."""
+    token_low: float = Field(default=0.5, ge=0)
+    """mode=token_mask: tokens with pi_old/mu below this are masked (NeMo-RL IcePop: 0.5)."""
+    token_high: float = Field(default=5.0, gt=0)
+    """mode=token_mask: tokens with pi_old/mu above this are masked (NeMo-RL IcePop: 5)."""
+    seq_low: float = Field(default=0.999, ge=0)
+    """mode=seq_mask: sequences whose exp(mean log(pi_old/mu)) is below this are masked
+    (verl's geometric rejection: 0.999)."""
+    seq_high: float = Field(default=1.001, gt=0)
+    """mode=seq_mask: sequences whose geometric-mean weight is above this are masked
+    (verl: 1.001)."""
+
+    @model_validator(mode="after")
+    def _bands(self) -> OffPolicySettings:
+        for low, high in (("token_low", "token_high"), ("seq_low", "seq_high")):
+            if getattr(self, low) >= getattr(self, high):
+                raise ValueError(f"off_policy.{low} must be below off_policy.{high}")
+        return self
 
 
 class LearnerSettings(ServiceSettings):
@@ -87,15 +125,19 @@ class LearnerSettings(ServiceSettings):
     clip_high: float = Field(default=0.28, ge=0)
     """Upper clip: 1 + clip_high (clip-higher when above clip_low, DAPO)."""
     loss_norm: Literal["token", "sequence", "dr_grpo"] = "token"
-    """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant)."""
+    """How token losses are averaged: token (DAPO), sequence (GRPO), dr_grpo (constant).
+    An episode of several segments counts as one episode in each (grpo.py)."""
     dr_grpo_max_tokens: int = Field(default=1024, ge=1)
     """loss_norm=dr_grpo: the constant every sequence's token-loss sum is divided by (with
-    the number of sequences), the same for every batch whatever its padded width; set it to
+    the number of episodes), the same for every batch whatever its padded width; set it to
     the completion-token budget of an episode (Dr. GRPO's generation budget)."""
     updates_per_step: int = Field(default=1, ge=1)
     """Optimizer steps on each batch (GRPO's mu, TRL's num_iterations, verl's ppo_epochs):
     later passes reuse the same samples with the importance ratio against the behaviour
     logprobs, clipped as usual. More learning per episode for more learner compute."""
+    off_policy: OffPolicySettings = OffPolicySettings()
+    """The off-policy correction of the loss (``RLBUS_OFF_POLICY__MODE`` etc.; default
+    none: the one ratio against the behaviour logprobs)."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss minus this times the token-mean policy entropy on completion
     tokens (0: off, and the entropy over the vocabulary is not computed at all)."""

@@ -47,6 +47,31 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @dataclass(frozen=True)
+class MismatchStats:
+    """How far the engine's behaviour policy mu was from pi_old, the weights a step trained
+    from, over the step's loss tokens (docs/off-policy.md), with w = pi_old / mu per token."""
+
+    weight_mean: float
+    """Mean of w (before any truncation or mask): about 1 when the engine agrees."""
+    weight_max: float
+    """Largest w of the step: what truncation or a mask would have to deal with."""
+    corrected_frac: float
+    """Fraction of loss tokens whose weight the mode truncated (tis) or masked (token_mask,
+    seq_mask); 0 in modes none and decoupled."""
+    kl: float
+    """KL(mu || pi_old), the k3 estimator's token mean: (w - 1) - log w, unbiased over
+    tokens sampled from mu and never negative."""
+    seq_masked_frac: float
+    """Fraction of the step's sequences (rows: a linear episode, or one segment of an
+    episode) that seq_mask masked whole; 0 in the other modes."""
+
+    def row(self) -> dict[str, float]:
+        return {"is_weight_mean": self.weight_mean, "is_weight_max": self.weight_max,
+                "is_corrected_frac": self.corrected_frac, "mismatch_kl": self.kl,
+                "is_seq_masked_frac": self.seq_masked_frac}
+
+
+@dataclass(frozen=True)
 class UpdateStats:
     """The figures of one optimizer update, summed over the ranks; ratios are token means.
 
@@ -61,13 +86,17 @@ class UpdateStats:
     micro_batches: int | None = None
     entropy: float | None = None
     """Mean entropy of the sampled tokens; only when the loss has an entropy bonus."""
+    mismatch: MismatchStats | None = None
+    """The gap between the engine's logprobs and pi_old, and what the off-policy
+    correction did about it; None: not measured (a step with nothing to train on)."""
 
     def row(self) -> dict[str, float]:
         """The measured figures by their metrics names, in the metrics file's order."""
         figures = {"loss": self.loss, "grad_norm": self.grad_norm, "clip_frac": self.clip_frac,
                    "mean_ratio": self.mean_ratio, "approx_kl": self.approx_kl,
                    "micro_batches": self.micro_batches, "entropy": self.entropy}
-        return {k: v for k, v in figures.items() if v is not None}
+        mismatch = self.mismatch.row() if self.mismatch is not None else {}
+        return {k: v for k, v in figures.items() if v is not None} | mismatch
 
 
 @dataclass(frozen=True)
@@ -108,10 +137,16 @@ class StepStats:
     staleness_max: float
     turns_mean: float
     tokens: int
+    """Tokens of the batch's episodes, each segment's counted (a context two segments share
+    is a trainer's work twice)."""
     zero_advantage: int | None = None
     """Episodes that trained with nothing to learn (their whole group scored the same);
     None from a trainer that computes no advantages."""
     update: UpdateStats | None = None
+    segments: int | None = None
+    """Token sequences of the episodes that trained: one per linear episode, one per
+    segment of an episode whose agent's history was not; None from a trainer that packs
+    none."""
 
     @property
     def loss(self) -> float:
@@ -127,4 +162,6 @@ class StepStats:
             "staleness_mean": self.staleness_mean, "staleness_max": self.staleness_max,
             "turns_mean": self.turns_mean, "tokens": self.tokens,
         }
+        if self.segments is not None:
+            figures["segments"] = self.segments
         return {k: None if math.isnan(v) else v for k, v in figures.items()}

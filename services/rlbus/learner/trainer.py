@@ -23,6 +23,14 @@ from rlbus.learner.grpo import (
     policy_loss,
     score_tokens,
 )
+from rlbus.learner.off_policy import (
+    SUMS,
+    Correction,
+    importance_weights,
+    mismatch_stats,
+    peak,
+    sums,
+)
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
 from rlbus.learner.store import PolicyState
@@ -56,10 +64,23 @@ class StepTrainer(Protocol):
         """Release what the trainer holds (under torchrun: the follower ranks)."""
 
 
-def packed(episode: Episode, advantage: float) -> Work:
-    """The episode as the client packed it (token ids exactly as sampled, which of them the
-    policy sampled, the engine's logprobs for those) with its advantage."""
-    return Work(episode.token_ids, episode.loss_mask, episode.logprobs, advantage)
+def packed(episode: Episode, advantage: float) -> list[Work]:
+    """The episode as the client packed it, one sequence per segment (token ids exactly as
+    sampled, which of them the policy sampled, the engine's logprobs for those), each with
+    the episode's advantage: every segment of an episode is trained on its reward."""
+    return [Work(s.token_ids, s.loss_mask, s.logprobs, advantage, episode.episode_id)
+            for s in episode.segments]
+
+
+def episode_counts(work: list[Work]) -> tuple[Whole, list[float]]:
+    """The batch's loss tokens and episodes (:class:`Whole`), and each sequence's
+    episode's loss tokens: the segments of one episode count as one episode, their tokens
+    together (see grpo.py on how each norm weighs a k-segment episode)."""
+    keys = [w.episode if w.episode is not None else i for i, w in enumerate(work)]
+    tokens: dict[str | int, float] = {}
+    for key, w in zip(keys, work, strict=True):  # the first token is never predicted
+        tokens[key] = tokens.get(key, 0.0) + float(sum(w.sampled[1:]))
+    return Whole(tokens=sum(tokens.values()), episodes=len(tokens)), [tokens[k] for k in keys]
 
 
 def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> str | None:
@@ -68,9 +89,19 @@ def mask_cause(scored: ScoredTrajectory, staleness: int, max_staleness: int) -> 
         return "failed"
     if not scored.valid or not scored.trajectory.turns:
         return "invalid"
+    if not behaviour_finite(scored.trajectory):
+        return "bad_logprobs"
     if staleness > max_staleness:
         return "stale"
     return None
+
+
+def behaviour_finite(t: Trajectory) -> bool:
+    """Whether every logprob the engine reported for ``t`` is finite: a NaN or infinite one
+    would make the loss NaN (an infinite log-ratio), so its episode is masked instead."""
+    # a float sum is NaN or infinite exactly when a term is (float32 terms cannot overflow
+    # it), and sums in C: about 20 ms for a million logprobs on this machine
+    return all(math.isfinite(sum(turn.logprobs)) for turn in t.turns)
 
 
 @dataclass
@@ -124,6 +155,7 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.scorer: nn.Module = _Scorer(self.model, cfg)
+        self.correction = Correction.of(cfg.off_policy)
         self._replicated = self.world.size == 1
 
     def samples(self, groups: list[ScoredGroup], version: int) -> list[Sample]:
@@ -164,7 +196,7 @@ class Trainer:
         used = [s for s in samples if s.used and (keep_flat or s.advantage != 0.0)]
         update = UpdateStats(loss=0.0, clip_frac=0.0, approx_kl=0.0)
         if used:
-            update = self.lead([packed(s.episode, s.advantage) for s in used])
+            update = self.lead([w for s in used for w in packed(s.episode, s.advantage)])
         return self._describe(samples, update)
 
     def lead(self, work: list[Work]) -> UpdateStats:
@@ -202,25 +234,35 @@ class Trainer:
         """``updates_per_step`` optimizer steps on the batch `work` (every rank passes the
         same one and trains its share); the figures are the first update's, whose ratios
         compare the policy that sampled with the one that trains."""
-        stats = self.update(work)
+        proximal: list[Tensor] = []  # pi_old per micro-batch, from the first update
+        stats = self.update(work, proximal)
         for _ in range(self.cfg.updates_per_step - 1):
-            self.update(work)
+            self.update(work, proximal)
         return stats
 
-    def update(self, work: list[Work]) -> UpdateStats:
+    def update(self, work: list[Work], proximal: list[Tensor] | None = None) -> UpdateStats:
         """One optimizer step on the whole batch `work`, by micro-batches with gradient
-        accumulation."""
+        accumulation.
+
+        ``proximal``: pi_old's logprobs of each micro-batch, for the off-policy correction.
+        Empty (or None) on a step's first update: before its optimizer step the policy *is*
+        pi_old, so the logprobs its forward pass computes anyway are pi_old's (no extra
+        forward pass); they are appended for the step's later updates, whose micro-batches
+        are the same."""
+        proximal = [] if proximal is None else proximal
         self._replicate()
         lengths = [len(w.ids) for w in work]
         order = sorted(range(len(work)), key=lambda i: lengths[i])  # balanced shards, less pad
-        whole = Whole(tokens=float(sum(sum(w.sampled[1:]) for w in work)), sequences=len(work))
+        whole, episode_tokens = episode_counts(work)
         mine = shard(order, self.world)
         weight = 1.0
         if not mine:  # more ranks than sequences: join the all-reduce with a zero gradient
             mine, weight = order[:1], 0.0
         micro = micro_batches([lengths[i] for i in mine], self.cfg.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, kl, entropy sums
+        # loss, clip, ratio, kl, entropy sums, then the off-policy sums (off_policy.sums)
+        totals = torch.zeros(5 + SUMS, dtype=torch.float64)
+        largest = 0.0  # the largest importance weight pi_old / mu
         for k, part in enumerate(micro):
             items = [work[mine[i]] for i in part]
             last = k == len(micro) - 1
@@ -228,20 +270,28 @@ class Trainer:
             if not (last or self._plain):  # accumulate locally, all-reduce on the last
                 sync = cast(DistributedDataParallel, self.scorer).no_sync()
             with sync:
-                loss, figures = self._micro_step(items, whole)
+                step = self._micro_step(items, whole, [episode_tokens[mine[i]] for i in part],
+                                        proximal[k] if k < len(proximal) else None)
                 # DDP averages gradients over ranks; each rank's share is of the whole batch
-                (loss * weight * self.world.size).backward()  # type: ignore[no-untyped-call]
-            totals += weight * figures
+                (step.loss * weight * self.world.size).backward()  # type: ignore[no-untyped-call]
+            if k == len(proximal):
+                proximal.append(step.proximal)
+            totals += weight * step.figures
+            largest = max(largest, weight * step.peak)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
-        loss_sum, clip, ratio, kl, entropy = self.world.all_sum(totals).tolist()
+        totals = self.world.all_sum(totals)
+        loss_sum, clip, ratio, kl, entropy = totals[:5].tolist()
         tokens = max(whole.tokens, 1.0)
         return UpdateStats(loss=loss_sum, grad_norm=grad_norm.item(), clip_frac=clip / tokens,
                            mean_ratio=ratio / tokens, approx_kl=kl / tokens,
                            micro_batches=len(micro),
-                           entropy=entropy / tokens if self.cfg.entropy_coef else None)
+                           entropy=entropy / tokens if self.cfg.entropy_coef else None,
+                           mismatch=mismatch_stats(totals[5:], self.world.all_max(largest),
+                                                   whole.tokens, len(work)))
 
-    def _micro_step(self, items: list[Work], whole: Whole) -> tuple[Tensor, Tensor]:
+    def _micro_step(self, items: list[Work], whole: Whole,
+                    episode_tokens: list[float], proximal: Tensor | None) -> _MicroStep:
         batch = collate([w.ids for w in items], [w.sampled for w in items],
                         [w.logprobs for w in items], self.pad_id)
         mask = batch.loss_mask.to(self.device)  # (b, t-1)
@@ -249,9 +299,13 @@ class Trainer:
                             enabled=self.autocast is not None):
             logprobs, entropy = self.scorer(
                 batch.input_ids.to(self.device), batch.attention_mask.to(self.device), mask)
+        behaviour = batch.behaviour_logprobs.to(self.device)  # (b, t-1) mu
+        old = logprobs.detach() if proximal is None else proximal  # (b, t-1) pi_old
+        weights = importance_weights(old, behaviour, mask, self.correction)
+        decoupled = self.correction.decoupled
         loss, stats = policy_loss(
             logprobs,  # (b, t-1)
-            batch.behaviour_logprobs.to(self.device),
+            behaviour,
             torch.tensor([w.advantage for w in items], device=self.device),  # (b,)
             mask,
             clip_low=self.cfg.clip_low,
@@ -259,6 +313,9 @@ class Trainer:
             norm=self.cfg.loss_norm,
             max_tokens=self.cfg.dr_grpo_max_tokens,
             whole=whole,
+            episode_tokens=torch.tensor(episode_tokens, device=self.device),  # (b,)
+            proximal_logprobs=old if decoupled else None,
+            weight=weights.weight if decoupled else None,
         )
         entropy_sum = 0.0
         if entropy is not None:
@@ -269,7 +326,7 @@ class Trainer:
         figures = torch.tensor([float(loss.detach()), stats["clip_frac"] * n,
                                 stats["mean_ratio"] * n, stats["approx_kl"] * n, entropy_sum],
                                dtype=torch.float64)
-        return loss, figures
+        return _MicroStep(loss, torch.cat([figures, sums(weights)]), old, peak(weights))
 
     @property
     def _plain(self) -> bool:
@@ -300,6 +357,7 @@ class Trainer:
             staleness_max=float(max((s.staleness for s in valid), default=0)),
             turns_mean=_mean([float(len(s.scored.trajectory.turns)) for s in valid]),
             tokens=sum(s.scored.trajectory.num_tokens for s in samples),
+            segments=sum(len(s.episode.segments) for s in valid),
             update=update,
         )
 
@@ -312,6 +370,20 @@ class Trainer:
                              "point RLBUS_CHECKPOINT_DIR elsewhere or remove it")
         self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
+
+
+@dataclass(frozen=True)
+class _MicroStep:
+    """One micro-batch's forward pass: its loss and what the update sums of it."""
+
+    loss: Tensor
+    """Its share of the whole batch's loss (with the graph, for ``backward``)."""
+    figures: Tensor
+    """float64 sums: loss, clip, ratio, kl, entropy, then :func:`.off_policy.sums`."""
+    proximal: Tensor
+    """(b, t-1) the pi_old logprobs it used (kept for the step's later updates)."""
+    peak: float
+    """Its largest importance weight pi_old / mu."""
 
 
 class _Scorer(nn.Module):

@@ -12,16 +12,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Work:
-    """One sequence to train on: an episode packed as one token sequence."""
+    """One sequence to train on: an episode's segment (the whole of a linear episode)
+    packed as one token sequence."""
 
     ids: list[int]
-    """Token ids exactly as sampled: prompt, completions and observations in order."""
+    """Token ids exactly as sampled: the context, completions and observations in order."""
     sampled: list[bool]
     """Which of ``ids`` the policy sampled (the tokens the loss is over)."""
     logprobs: list[float]
     """The engine's logprob of each sampled token (0 elsewhere): the behaviour policy."""
     advantage: float
     """The episode's group-relative advantage, shared by all of its sampled tokens."""
+    episode: str | None = None
+    """The episode it is a segment of: the loss normalisation counts episodes, and the
+    sequences of one are one (None: a sequence that is an episode of its own)."""
 
 
 @dataclass(frozen=True)

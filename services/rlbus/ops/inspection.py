@@ -376,7 +376,14 @@ def _render_conversation(
         write(f"  prompt  task={prompt.task} spec={json.dumps(jsonable(prompt.spec))}\n")
     if traj is not None:
         write(f"  status  {traj.status}{' (' + traj.error + ')' if traj.error else ''}\n")
+        segments = len(traj.segments())
+        if segments > 1:
+            write(f"  segments {segments} (its agent's history was not linear: each is "
+                  "trained as a sequence of its own)\n")
         for i, t in enumerate(traj.turns):
+            if t.fresh_context:
+                write(f"  -- segment starts: turn {i}'s context is its {len(t.input_ids)} "
+                      "input tokens, not the turns above\n")
             write(
                 f"  turn {i}  [policy v{t.policy_version}, {len(t.completion_ids)} tokens, "
                 f"{t.finish_reason}] action: {t.action!r} -> observation: {t.observation!r}\n"

@@ -24,7 +24,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
+from rlbus.rollout import gateway_anthropic
+from rlbus.rollout.gateway_responses import respond
+from rlbus.rollout.sessions import (
+    ChatRequest,
+    GatewayCode,
+    GatewayError,
+    Session,
+    json_object,
+    pieces,
+)
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -90,16 +99,33 @@ def make_app(model: str, sessions: Mapping[str, Session], *,
                 ["data: [DONE]\n\n"]))
         return JSONResponse(completion)
 
-    # plain Starlette routes: chat reads its body itself, and FastAPI's parameter solving
-    # and response wrapping would only add to every call (docs/performance.md §5)
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/s/{session_id}/v1/chat/completions", chat, methods=["POST"])
+    async def responses(request: Request) -> Response:
+        session = _session(sessions, request, request.path_params.get("session_id"))
+        return await respond(model, session, await read_body(request, max_body_bytes),
+                             lambda work: _until_disconnect(request, work))
+
+    async def messages(request: Request) -> Response:
+        try:
+            session = _session(sessions, request, request.path_params.get("session_id"))
+            return await gateway_anthropic.answer(
+                model, session, await read_body(request, max_body_bytes),
+                lambda work: _until_disconnect(request, work))
+        except GatewayError as exc:  # Anthropic's error shape on Anthropic's route
+            return gateway_anthropic.error_response(exc)
+
+    # plain Starlette routes: each handler reads its body itself, and FastAPI's parameter
+    # solving and response wrapping would only add to every call (docs/performance.md §5)
+    for path, handler in (("/v1/chat/completions", chat), ("/v1/responses", responses),
+                          ("/v1/messages", messages)):
+        app.add_route(path, handler, methods=["POST"])
+        app.add_route(f"/s/{{session_id}}{path}", handler, methods=["POST"])
     return app
 
 
 def _session(sessions: Mapping[str, Session], request: Request,
              session_id: str | None) -> Session:
-    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    key = (request.headers.get("x-api-key")  # Anthropic's header
+           or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
     sid = session_id or key
     session = sessions.get(sid)
     if session is None:
@@ -128,12 +154,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def _parse(request: Request, limit: int) -> ChatRequest:
     body = await read_body(request, limit)
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, "the body must be a JSON object")
+    data = json_object(body)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
@@ -164,14 +185,6 @@ def sse(events: Iterable[str]) -> StreamingResponse:
                              headers={"cache-control": "no-cache"})
 
 
-STREAM_PIECE = 16
-"""Characters of content (or tool-call arguments) per streamed delta."""
-
-
-def _pieces(text: str) -> list[str]:
-    return [text[i:i + STREAM_PIECE] for i in range(0, len(text), STREAM_PIECE)]
-
-
 def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
     """A chat.completion as the ``chat.completion.chunk`` objects OpenAI streams: the role,
     content deltas, each tool call's id and name then its argument deltas, the finish
@@ -189,13 +202,13 @@ def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dic
         return c
 
     yield chunk({"role": "assistant", "content": ""})
-    for piece in _pieces(message.get("content") or ""):
+    for piece in pieces(message.get("content") or ""):
         yield chunk({"content": piece})
     for i, call in enumerate(message.get("tool_calls") or []):
         fn = call["function"]
         yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                      "function": {"name": fn["name"], "arguments": ""}}]})
-        for piece in _pieces(fn["arguments"]):
+        for piece in pieces(fn["arguments"]):
             yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
     yield chunk({}, choice["finish_reason"])
     if include_usage:

@@ -324,6 +324,7 @@ class Rollout(Service[RolloutSettings]):
         async with self.gateway.session(
             policy=policy, tokenizer=self.tokenizer.tok, sampling=prompt.sampling,
             max_context_tokens=self.settings.max_context_tokens, turns=turns,
+            history=self.settings.history_of(prompt.task),
         ) as session:
             chat = ChatSession(base_url=self.gateway.base_url(session.id), api_key=session.id,
                                model=self.gateway.model, task=task, spec=prompt.spec, env=env)

@@ -6,11 +6,19 @@ the sampled ids as they were sampled, never re-tokenised) plus the rendering of 
 messages the agent added since the last reply: the text the template puts after that
 reply's end-of-turn token. Before appending, the session checks that the template renders
 the whole history to exactly the text of the recorded ids (byte-level decoding is
-lossless); if it does not (a template that drops earlier ``<think>`` blocks, history the
-agent edited, a tool call the template re-formats, tools that changed), the rule is: the
-call is refused with a 400 that says where the texts part, and the episode fails with that
-reason (published as failed, masked by the learner). Nothing is trained on a context the
-model did not see.
+lossless). A call that does not extend the history so (a template that drops earlier
+``<think>`` blocks, history the agent trimmed, summarised or edited, a call retried after a
+reply it did not keep, a tool call the template re-formats, tools that changed) is handled
+by the session's ``history`` mode:
+
+* ``segments``: the call's context is the template's rendering of its messages, tokenised
+  as a first call's; its turn is recorded with ``fresh_context`` (a new training segment:
+  :meth:`rlbus.messages.Trajectory.segments`) and the next calls may extend it.
+* ``strict``: the call is refused with a 400 ``context_diverged`` that says where the texts
+  part, and the episode fails with that reason (published as failed, masked by the
+  learner).
+
+Either way nothing is trained on a context the model did not see.
 
 Tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the
 completion (the Hermes/Qwen convention, read by :mod:`rlbus.tool_calls` as the default agent
@@ -28,11 +36,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
 from rlbus.messages import FinishReason, Sampling, Turn
+from rlbus.rollout.settings import GatewayHistory
 from rlbus.tool_calls import find_tool_calls, without_calls
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,8 @@ class GatewayCode(StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     SESSION_TOO_LONG = "session_too_long"
     """The session has recorded its bound of tokens: the episode should end."""
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+    """A Responses call continues a response this session does not hold."""
 
 
 ErrorKind = Literal["invalid_request_error", "authentication_error", "server_error"]
@@ -76,6 +87,10 @@ class GatewayError(RlbusError):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+class Diverged(Exception):
+    """A call's messages do not extend the session's recorded history; the text says why."""
 
 
 class ChatRequest(BaseModel):
@@ -119,6 +134,28 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _flat_text(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Content given as a list of text parts (smolagents, LangChain, the Agents SDK send
+        it so) becomes the string of those parts joined by newlines, as vLLM does for a
+        string-content template: a template renders it, never a Python list repr. Any
+        other part (an image, audio) is refused: the policy is a text model."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind not in ("text", "input_text", "output_text"):
+                        raise ValueError(f"messages[{i}]: a content part of type {kind!r}; "
+                                         "only text parts are taken (a text policy)")
+                    texts.append(str(part.get("text", "")))
+                m = {**m, "content": "\n".join(texts)}
+            out.append(m)
+        return out
 
     def check(self) -> None:
         """Refuse what we cannot honour, naming the field and what to do instead."""
@@ -181,6 +218,14 @@ class Session:
     """Most tokens one session may record (``RLBUS_GATEWAY_MAX_SESSION_TOKENS``)."""
     last_call: float = field(default_factory=time.monotonic)
     """When its last call ended (or it opened): the idle bound counts from here."""
+    responses: dict[str, list[Any]] = field(default_factory=dict)
+    """Responses API: each stored response's conversation (its input items, those of the
+    response it continued, its output items), by id, for ``previous_response_id``
+    (:mod:`.gateway_responses`)."""
+    history: GatewayHistory = "segments"
+    """What a call that does not extend the recorded history does (module docstring)."""
+    fresh: bool = False
+    """Whether the call being completed starts a new segment (set by :meth:`context`)."""
 
     @property
     def eos_text(self) -> str:
@@ -197,15 +242,31 @@ class Session:
         return str(text)
 
     def context(self, req: ChatRequest) -> tuple[list[int], list[int]]:
-        """(full context, ids new this turn) for ``req``; raises on divergence."""
+        """(full context, ids new this turn) for ``req``: the recorded history extended, or
+        (``segments``) a new segment whose ids are all new; raises on divergence in
+        ``strict``."""
         tools = json.dumps(req.tools, sort_keys=True) if req.tools else ""
         full = self.render(req.messages, req.tools, generation_prompt=True)
-        if not self.ids:
-            self.tools = tools
-            new = self.tokenizer.encode(full, add_special_tokens=False)
-            return new, new
+        self.fresh = False
+        if self.ids:
+            try:
+                new = self.extension(req, full, tools)
+                return self.ids + new, new
+            except Diverged as d:
+                if self.history == "strict":
+                    self.diverge(str(d))
+                log.debug("session %s: call %d starts a new segment: %s", self.id,
+                          len(self.turns), d)
+                self.fresh = True
+        self.tools = tools
+        new = self.tokenizer.encode(full, add_special_tokens=False)
+        return new, new
+
+    def extension(self, req: ChatRequest, full: str, tools: str) -> list[int]:
+        """The ids ``req`` adds to the recorded history (``full`` is its rendering); raises
+        :class:`Diverged` saying why where it does not extend that history."""
         if tools != self.tools:
-            self.diverge("the tools differ from the session's first call")
+            raise Diverged("the tools differ from the session's first call")
         # The text of the recorded ids must begin the rendering and the new ids are the
         # rest: one rendering per call, as the template is most of the gateway's own cost
         # and grows with the history.
@@ -213,15 +274,14 @@ class Session:
         if not full.startswith(seen):
             at = next((i for i, (a, b) in enumerate(zip(seen, full, strict=False)) if a != b),
                       min(len(seen), len(full)))
-            self.diverge(f"the history renders to other text than the tokens the model saw, "
-                         f"from character {at}: saw {seen[at:at + 40]!r}, template gives "
-                         f"{full[at:at + 40]!r}")
+            raise Diverged(f"the history renders to other text than the tokens the model "
+                           f"saw, from character {at}: saw {seen[at:at + 40]!r}, template "
+                           f"gives {full[at:at + 40]!r}")
         if (self.ids[-1] != self.tokenizer.eos_token_id
                 and not full.startswith(self.eos_text, len(seen))):
-            self.diverge("the last reply ended without an end-of-turn token and the messages "
-                         "go on with it")
-        new = self.tokenizer.encode(full[len(seen):], add_special_tokens=False)
-        return self.ids + new, new
+            raise Diverged("the last reply ended without an end-of-turn token and the "
+                           "messages go on with it")
+        return list(self.tokenizer.encode(full[len(seen):], add_special_tokens=False))
 
     def diverge(self, why: str) -> NoReturn:
         self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
@@ -280,6 +340,7 @@ class Session:
         self.turns.append(Turn(
             input_ids=new, completion_ids=completion, logprobs=logprobs,
             policy_version=gen.policy_version, finish_reason=finish, action=text,
+            fresh_context=self.fresh,
         ))
         self.ids = context + completion
         self.tokens += len(new) + len(completion)
@@ -315,12 +376,33 @@ class Session:
         return ids, logprobs, finish
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body as the JSON object every route takes, or a 400 saying why not."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, "the body must be a JSON object")
+    return data
+
+
+STREAM_PIECE = 16
+"""Characters of text (or of a tool call's arguments) per streamed delta, on every route."""
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` in the deltas a streamed answer sends it in."""
+    return [text[i:i + STREAM_PIECE] for i in range(0, len(text), STREAM_PIECE)]
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """(content without the well-formed call blocks, OpenAI tool_calls); a malformed block
     stays in the content as text (:mod:`rlbus.tool_calls`)."""
     blocks = find_tool_calls(text)
     calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-              "function": {"name": b.name, "arguments": json.dumps(b.arguments)}}
+              "function": {"name": b.name,
+                           "arguments": json.dumps(b.arguments, ensure_ascii=False)}}
              for b in blocks if b.ok]
     # without calls the text is returned as sampled, to the byte: it comes back as history
     return (without_calls(text, blocks).strip() if calls else text), calls

@@ -9,6 +9,10 @@ from pydantic import Field
 
 from rlbus.settings import ServiceSettings
 
+GatewayHistory = Literal["segments", "strict"]
+"""What the gateway does with a call whose messages do not extend the session's history:
+start a new training segment, or fail the episode (:mod:`rlbus.rollout.sessions`)."""
+
 
 class RolloutSettings(ServiceSettings):
     """One rollout instance: runs episodes of the prompts its consumer group hands it."""
@@ -65,3 +69,16 @@ class RolloutSettings(ServiceSettings):
     gateway_idle_timeout_s: float = Field(default=300.0, gt=0)
     """A ChatAgent that makes no call for this long is stopped and its episode fails (what
     it recorded is published with the failure)."""
+    gateway_history: GatewayHistory = "segments"
+    """A gateway call whose messages do not extend what the session recorded (history
+    trimmed, summarised or edited, a retried call, a template that re-renders old turns,
+    other tools): segments, the call's context is the template's rendering of its messages
+    and starts a new segment, trained with the episode's reward like the others; strict,
+    the call gets a 400 ``context_diverged`` and the episode fails (masked)."""
+    gateway_history_by_task: dict[str, GatewayHistory] = {}
+    """``gateway_history`` for the named tasks (JSON in the environment:
+    ``{"swe": "strict"}``); the others get ``gateway_history``."""
+
+    def history_of(self, task: str) -> GatewayHistory:
+        """The gateway history mode of an episode of ``task``."""
+        return self.gateway_history_by_task.get(task, self.gateway_history)

@@ -25,8 +25,11 @@ API (async; :class:`SyncRolloutClient` has the same calls, blocking)::
 
 * :class:`ScoredGroup`: ``group_id``, ``task``, ``purpose``, ``started`` and
   ``episodes``, each an :class:`Episode`: ``episode_id`` (for ``rlbus trace``),
-  ``token_ids``, ``loss_mask``, ``logprobs`` (behaviour, 0.0 off the mask), ``reward``,
-  ``policy_version``, ``finish_reason``, ``valid``, and the whole ``scored`` record.
+  ``segments`` (each a :class:`Segment`: ``token_ids``, ``loss_mask``, ``logprobs``
+  (behaviour, 0.0 off the mask); one for a linear episode, several where a gateway agent's
+  history was not linear), ``reward``, ``policy_version``, ``finish_reason``, ``valid``,
+  and the whole ``scored`` record. ``Episode.token_ids``/``loss_mask``/``logprobs`` are the
+  one segment's; with several they raise :class:`~rlbus.errors.SegmentedEpisodeError`.
 * Staleness: training groups are admitted while ``submitted < (max_staleness + steps + 1)
   * groups_per_step`` (``steps``: versions published); beyond, ``submit`` waits up to
   ``wait_s`` and raises :class:`~rlbus.errors.NoCreditError`. ``receive`` hands out the
@@ -44,7 +47,7 @@ API (async; :class:`SyncRolloutClient` has the same calls, blocking)::
   is live while its newest report is younger than ``served_ttl_s`` (:mod:`.served`).
 """
 
-from rlbus.client.groups import Episode, ScoredGroup
+from rlbus.client.groups import Episode, ScoredGroup, Segment
 from rlbus.client.position import Position
 from rlbus.client.rollout_client import RolloutClient, credit
 from rlbus.client.served import Served
@@ -55,6 +58,7 @@ from rlbus.errors import (
     NotServedError,
     PluginError,
     PositionError,
+    SegmentedEpisodeError,
     WeightsMismatchError,
     WeightsRefusedError,
 )
@@ -69,6 +73,8 @@ __all__ = [
     "PositionError",
     "RolloutClient",
     "ScoredGroup",
+    "Segment",
+    "SegmentedEpisodeError",
     "Served",
     "SyncRolloutClient",
     "WeightsMismatchError",

@@ -18,29 +18,58 @@ apart: they are handed out as soon as they are complete.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlbus.messages import FinishReason, ScoredTrajectory
+from rlbus.errors import SegmentedEpisodeError
+from rlbus.messages import FinishReason, ScoredTrajectory, Turn
 from rlbus.transport import Delivery
 
 
 @dataclass(frozen=True)
-class Episode:
-    """One scored episode, packed as the single token sequence a trainer trains on."""
+class Segment:
+    """One token sequence the model saw: a context and what the policy sampled in it, up to
+    the next call whose context did not extend it (:meth:`Trajectory.segments`)."""
 
-    episode_id: str
-    """``<group_id>/<index>``; ``rlbus trace`` follows it through every tier."""
-    index: int
-    """Its place in the group."""
     token_ids: list[int]
-    """Token ids exactly as sampled: prompt, completions and observations in order."""
+    """Token ids exactly as sampled: the context, completions and observations in order."""
     loss_mask: list[bool]
     """Which of ``token_ids`` the policy sampled (the tokens a policy loss is over)."""
     logprobs: list[float]
     """The behaviour policy's logprob of each sampled token (0.0 elsewhere), as the
     engine reported it at the prompt's sampling temperature."""
+
+    @classmethod
+    def of(cls, turns: Sequence[Turn]) -> Segment:
+        ids: list[int] = []
+        mask: list[bool] = []
+        logprobs: list[float] = []
+        for turn in turns:
+            ids += turn.input_ids + turn.completion_ids
+            mask += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
+            logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
+        return cls(ids, mask, logprobs)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One scored episode, as the token sequences a trainer trains on: ``segments``, one
+    for a linear episode (each call extended the one before), several where an agent's
+    history did not (the rollout tier's gateway, docs/extending.md). Every segment of an
+    episode trains with the episode's reward; each sampled token is in exactly one.
+
+    ``token_ids``, ``loss_mask`` and ``logprobs`` are the one segment's (empty with none);
+    on an episode of several they raise :class:`SegmentedEpisodeError` rather than give a
+    concatenation the model never saw."""
+
+    episode_id: str
+    """``<group_id>/<index>``; ``rlbus trace`` follows it through every tier."""
+    index: int
+    """Its place in the group."""
+    segments: tuple[Segment, ...]
+    """Its token sequences, in the order they were sampled (none: a failed episode with no
+    turn)."""
     reward: float
     """The verifier's reward; meaningless where ``valid`` is False (a failed rollout's is
     0.0, a verifier may return any value with ``valid=False``): do not train on it."""
@@ -60,19 +89,37 @@ class Episode:
     @classmethod
     def of(cls, scored: ScoredTrajectory, headers: Mapping[str, bytes]) -> Episode:
         t = scored.trajectory
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
-        for turn in t.turns:
-            ids += turn.input_ids + turn.completion_ids
-            mask += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
-            logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
         valid = t.status == "ok" and scored.valid and bool(t.turns)
         return cls(
-            episode_id=t.episode_id, index=t.index, token_ids=ids, loss_mask=mask,
-            logprobs=logprobs, reward=scored.reward, policy_version=t.min_version,
+            episode_id=t.episode_id, index=t.index,
+            segments=tuple(Segment.of(s) for s in t.segments()), reward=scored.reward,
+            policy_version=t.min_version,
             finish_reason=t.turns[-1].finish_reason if t.turns else "error",
             valid=valid, scored=scored, headers=dict(headers))
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The one segment's token ids (see :attr:`Segment.token_ids`)."""
+        return self._only().token_ids
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """The one segment's loss mask (see :attr:`Segment.loss_mask`)."""
+        return self._only().loss_mask
+
+    @property
+    def logprobs(self) -> list[float]:
+        """The one segment's behaviour logprobs (see :attr:`Segment.logprobs`)."""
+        return self._only().logprobs
+
+    def _only(self) -> Segment:
+        if len(self.segments) > 1:
+            raise SegmentedEpisodeError(
+                f"episode {self.episode_id} has {len(self.segments)} segments (its agent's "
+                "history did not extend what the model was given: trimmed, edited, retried); "
+                "there is no one token sequence the model saw: train each of "
+                "episode.segments with the episode's reward")
+        return self.segments[0] if self.segments else Segment([], [], [])
 
 
 @dataclass(frozen=True)

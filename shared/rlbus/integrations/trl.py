@@ -44,7 +44,13 @@ masked (``env_mask`` all 0, ``rlbus_reward`` None: TRL leaves it out of its grou
 and gives it no advantage), with its cause in ``rlbus_masked``: ``failed`` (its rollout
 failed), ``invalid`` (its verifier failed, or it has no turn), ``stale`` (sampled more than
 ``max_staleness`` versions before the call), ``out_of_vocabulary`` (a token id the model
-has no embedding for; replaced by the pad id).
+has no embedding for; replaced by the pad id), ``segmented`` (an episode of several token
+sequences, :attr:`rlbus.client.Episode.segments`: a gateway agent whose history was not
+linear; TRL trains one prompt and completion per row, and a concatenation of the segments
+is a sequence the model never saw, so such a row holds its first segment, masked, and each
+call logs how many it masked. To keep them out at the source, run the rollout tier with
+``RLBUS_GATEWAY_HISTORY=strict`` (they fail there), or train with rlbus's learner, which
+trains every segment).
 
 Extra fields, for reward functions' ``**kwargs``: ``rlbus_reward`` (the reward tier's, what
 :func:`rlbus_reward` returns), ``rlbus_masked``, ``rlbus_episode_id``, ``rlbus_group_id``,
@@ -94,6 +100,7 @@ from rlbus.client import (
     Episode,
     Position,
     ScoredGroup,
+    Segment,
     SyncRolloutClient,
     WeightsMismatchError,
 )
@@ -188,6 +195,8 @@ def mask_cause(episode: Episode, *, version: int, max_staleness: int,
         return "invalid"
     if version - episode.policy_version > max_staleness:
         return "stale"
+    if len(episode.segments) > 1:
+        return "segmented"
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in episode.token_ids):
         return "out_of_vocabulary"
     return None
@@ -197,15 +206,19 @@ def episode_row(episode: Episode, *, pad_id: int, cause: str | None = None,
                 vocab_size: int | None = None) -> Row:
     """``episode`` split after its first turn's input; masked whole if ``cause``. An id
     outside ``vocab_size`` becomes ``pad_id`` (the row is then masked by its cause), and an
-    empty side one masked ``pad_id``, so that TRL's forward pass always has a token."""
+    empty side one masked ``pad_id``, so that TRL's forward pass always has a token. An
+    episode of several segments is its first, masked whatever ``cause`` says."""
     t = episode.scored.trajectory
+    if len(episode.segments) > 1:
+        cause = cause or "segmented"
+    first = episode.segments[0] if episode.segments else Segment([], [], [])
     split = len(t.turns[0].input_ids) if t.turns else 0
-    ids = episode.token_ids
+    ids = first.token_ids
     if vocab_size is not None:
         ids = [i if 0 <= i < vocab_size else pad_id for i in ids]
     completion = ids[split:]
-    env_mask = [int(m and cause is None) for m in episode.loss_mask[split:]]
-    logprobs = episode.logprobs[split:]
+    env_mask = [int(m and cause is None) for m in first.loss_mask[split:]]
+    logprobs = first.logprobs[split:]
     if not completion:  # a failed episode with no turn
         completion, env_mask, logprobs = [pad_id], [0], [0.0]
     return Row(prompt_ids=ids[:split] or [pad_id], completion_ids=completion,
@@ -397,6 +410,12 @@ class RlbusRollouts:
                                    vocab_size=vocab)
                 rows.append(episode_row(e, pad_id=pad_id, cause=cause, vocab_size=vocab))
                 self.counters[f"masked_{cause}" if cause else "trained_rows"] += 1
+        segmented = [r.episode_id for r in rows if r.masked == "segmented"]
+        if segmented:
+            log.warning("masked %d of %d episodes with several token sequences (a gateway "
+                        "agent's history was not linear; TRL trains one per row), e.g. %s: "
+                        "RLBUS_GATEWAY_HISTORY=strict on the rollout tier fails them there "
+                        "instead", len(segmented), len(rows), segmented[0])
         return rows
 
     # -- decoupled

@@ -1,8 +1,15 @@
-"""GroupAssembler: each group assembled and trained once, however many copies arrive."""
+"""GroupAssembler: each group assembled and trained once, however many copies arrive; an
+Episode as the token sequences (segments) a trainer trains on."""
 
 from __future__ import annotations
 
+import msgpack
+import pytest
+
+from rlbus.client import Episode, Segment, SegmentedEpisodeError
 from rlbus.client.groups import GroupAssembler
+from rlbus.codec import decode, encode
+from rlbus.messages import ScoredTrajectory, Trajectory, Turn
 from rlbus.transport import Delivery
 from tests import factories
 
@@ -30,3 +37,50 @@ def test_a_second_copy_of_a_complete_group_waiting_for_its_step_is_dropped():
     (taken,) = assembler.take(2)
     assert assembler.add(delivery("run/2", 0, next(offsets)))  # trained: still dropped
     assert taken.group_id == "run/2" and assembler.trained_ids() == ["run/2"]
+
+
+def _segmented() -> ScoredTrajectory:
+    """Turn 1 extends turn 0; turn 2's context was trimmed (a new segment): ids 1 2 | 5 2 |
+    3 | 6 then 1 4 | 7."""
+    t = factories.trajectory("run/3")
+    first, = t.turns
+    turns = [first, Turn(input_ids=[3], completion_ids=[6], logprobs=[-0.5], policy_version=1),
+             Turn(input_ids=[1, 4], completion_ids=[7], logprobs=[-0.25], policy_version=2,
+                  fresh_context=True)]
+    return ScoredTrajectory(trajectory=t.model_copy(update={"turns": turns}), reward=1.0)
+
+
+def test_an_episode_whose_history_was_not_linear_is_one_segment_per_context() -> None:
+    e = Episode.of(_segmented(), {})
+    assert e.segments == (
+        Segment([1, 2, 5, 2, 3, 6], [False, False, True, True, False, True],
+                [0.0, 0.0, -1.5, -0.125, 0.0, -0.5]),
+        Segment([1, 4, 7], [False, False, True], [0.0, 0.0, -0.25]),
+    )
+    assert e.policy_version == 0 and e.valid  # its oldest turn's version, as ever
+    for name in ("token_ids", "loss_mask", "logprobs"):
+        with pytest.raises(SegmentedEpisodeError, match=r"episode run/3/0 has 2 segments.*"
+                                                        r"train each of episode\.segments"):
+            getattr(e, name)
+
+
+def test_a_linear_episode_is_one_segment_and_its_one_sequence() -> None:
+    e = Episode.of(factories.scored("run/4"), {})
+    (only,) = e.segments
+    assert (e.token_ids, e.loss_mask, e.logprobs) == (only.token_ids, only.loss_mask,
+                                                      only.logprobs)
+    assert e.token_ids == [1, 2, 5, 2]
+    failed = factories.scored("run/4").trajectory.failed_stand_in("gone")
+    none = Episode.of(ScoredTrajectory.failed_stand_in(failed, "gone"), {})
+    assert none.segments == () and none.token_ids == [] and not none.valid
+
+
+def test_a_record_written_before_segments_existed_reads_as_linear_and_new_ones_keep_them() -> None:
+    old = encode(factories.trajectory("run/5"), packed=False)
+    raw = msgpack.unpackb(old)
+    for turn in raw["turns"]:
+        turn.pop("fresh_context")
+    t = decode(msgpack.packb(raw), Trajectory)
+    assert len(t.segments()) == 1 and not t.turns[0].fresh_context
+    segmented = _segmented().trajectory
+    assert decode(encode(segmented), Trajectory).segments() == segmented.segments()

@@ -138,6 +138,9 @@ def _draw(annotation: Any, default: Any, rng: random.Random) -> Any:
     if origin is list and get_origin(args[0]) is Literal:  # a list of names: some of them
         names = get_args(args[0])
         return rng.sample(names, rng.randint(1, len(names)))
+    if origin is dict and get_origin(args[1]) is Literal:  # names, each with a choice
+        return {rng.choice(STRINGS): rng.choice(get_args(args[1]))
+                for _ in range(rng.randint(1, 3))}
     if origin in (UnionType, Union):  # X | None: None is the default or not expressible
         return _draw(next(a for a in args if a is not type(None)), default, rng)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

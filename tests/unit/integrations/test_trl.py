@@ -114,6 +114,24 @@ def test_a_failed_episode_with_no_turn_still_gives_tensors_to_train_nothing_on()
     assert row.masked == "failed"
 
 
+def segmented(t: Trajectory) -> Trajectory:
+    """``t`` with its second turn's context trimmed to its own input: two segments."""
+    first, second = t.turns
+    return t.model_copy(update={"turns": [first, second.model_copy(
+        update={"input_ids": [10, 30], "fresh_context": True})]})
+
+
+def test_an_episode_of_several_segments_is_masked_never_concatenated() -> None:
+    e = episode(segmented(multi_turn()))
+    assert mask_cause(e, version=0, max_staleness=0, vocab_size=VOCAB) == "segmented"
+    assert mask_cause(episode(segmented(multi_turn(status="failed")), valid=False),
+                      version=0, max_staleness=0) == "failed"  # the first cause wins
+    for cause in ("segmented", None):  # masked even by a caller that says it trains
+        row = episode_row(e, pad_id=PAD, cause=cause, vocab_size=VOCAB)
+        assert (row.prompt_ids, row.completion_ids) == ([10, 11, 12], [20, 21])  # 1st segment
+        assert set(row.env_mask) == {0} and row.reward is None and row.masked == "segmented"
+
+
 def test_rlbus_reward_passes_the_reward_tiers_rewards_through() -> None:
     assert rlbus_reward([], [], [], rlbus_reward=[1.0, None]) == [1.0, None]
     with pytest.raises(ValueError, match="RlbusRollouts"):
@@ -192,8 +210,10 @@ def prompts(broker: MemoryBroker) -> list[Prompt]:
 
 
 def answer(client: SyncRolloutClient, broker: MemoryBroker, group_ids: list[str],
-           version: int = 0, reversed_members: bool = True) -> None:
-    """Play rollout and reward: score every member of each group (members out of order)."""
+           version: int = 0, reversed_members: bool = True,
+           split: frozenset[str] = frozenset()) -> None:
+    """Play rollout and reward: score every member of each group (members out of order);
+    the episodes named in ``split`` have two segments."""
     async def send() -> None:
         producer = await MemoryBus(broker).producer()
         for p in (p for p in prompts(broker) if p.group_id in group_ids):
@@ -201,6 +221,7 @@ def answer(client: SyncRolloutClient, broker: MemoryBroker, group_ids: list[str]
             for i in reversed(members) if reversed_members else members:
                 t = multi_turn(p.group_id, i, version=version, size=p.group_size)
                 t = t.model_copy(update={"spec": p.spec, "task": p.task})
+                t = segmented(t) if t.episode_id in split else t
                 scored = ScoredTrajectory(trajectory=t, reward=float(i))
                 await producer.send(T.scored, scored, key=p.group_id)
 
@@ -229,6 +250,21 @@ def test_decoupled_rows_are_whole_groups_in_trls_order_from_the_task(
     assert out["rlbus_reward"] == [0.0, 1.0, 0.0, 1.0]  # by member index, as scored
     assert out["rlbus_spec"][0] == sent[0].spec and out["rlbus_task"][0] == "guess_number"
     assert {"prompt_ids", "completion_ids", "logprobs"} <= out.keys()
+
+
+def test_a_segmented_episode_is_a_masked_row_counted_and_logged(
+        client: SyncRolloutClient, broker: MemoryBroker,
+        caplog: pytest.LogCaptureFixture) -> None:
+    rollouts = RlbusRollouts(client, "guess_number")
+    trainer = FakeTrainer(rollouts)
+    rollouts.begin(trainer.args, 0)
+    answer(client, broker, ["run/0", "run/1"], split=frozenset({"run/1/0"}))
+    out = trainer.call(rollouts)
+    assert out["rlbus_masked"] == [None, None, "segmented", None]
+    assert out["rlbus_reward"][2] is None and set(out["env_mask"][2]) == {0}
+    assert rollouts.counters["masked_segmented"] == 1 and rollouts.counters["trained_rows"] == 3
+    assert "masked 1 of 4 episodes with several token sequences" in caplog.text
+    assert "run/1/0" in caplog.text
 
 
 def test_a_trainer_that_stops_calling_gets_nothing_submitted_past_the_credit_window(

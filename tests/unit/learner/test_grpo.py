@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from rlbus.learner.grpo import (
+    Whole,
     collate,
     group_advantages,
     masked_mean,
@@ -146,6 +147,37 @@ def test_norms(norm: str, max_tokens: int | None, expected: float) -> None:
     logprobs = torch.where(MASK.bool(), zeros, torch.full((2, 3), 5.0))
     loss, _ = policy_loss(logprobs, zeros, ADV, MASK, norm=norm, max_tokens=max_tokens)  # type: ignore[arg-type]
     close(loss, expected)
+
+
+# Episode 0 samples 5 tokens, episode 1 three (ratio != 1, so the clip is in play too).
+SPLIT_LP = [[-1.0, -0.5, -2.0, -0.1, -0.3], [-0.2, -0.7, -1.1]]
+SPLIT_ADV = [1.5, -0.5]
+
+
+def _rows(spans: list[tuple[int, int, int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(episode, start, end) spans of SPLIT_LP as right-padded rows, in policy_loss's order:
+    logprobs, behaviour logprobs, advantages, mask."""
+    logprobs, behaviour, mask = (torch.zeros(len(spans), 5) for _ in range(3))
+    for r, (e, a, b) in enumerate(spans):
+        logprobs[r, : b - a] = torch.tensor(SPLIT_LP[e][a:b])
+        behaviour[r, : b - a] = torch.tensor([x - 0.1 * i for i, x in
+                                              enumerate(SPLIT_LP[e])][a:b])
+        mask[r, : b - a] = 1.0
+    return logprobs, behaviour, torch.tensor([SPLIT_ADV[e] for e, _, _ in spans]), mask
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "dr_grpo"])
+def test_an_episode_split_into_segments_weighs_what_it_weighs_as_one_row(norm: str) -> None:
+    # As rows [e0, e1], or with e0 in two segments [e0 tokens 0-1, e0 tokens 2-4, e1]: the
+    # same tokens, so the same loss under each norm, once the norm counts episodes (2, not
+    # 3 rows) and averages e0 over its 5 tokens together.
+    kw: dict = {"norm": norm, "max_tokens": 8, "whole": Whole(tokens=8, episodes=2)}
+    one_row = policy_loss(*_rows([(0, 0, 5), (1, 0, 3)]), **kw)[0]
+    split = [(0, 0, 2), (0, 2, 5), (1, 0, 3)]
+    segments = policy_loss(*_rows(split), **kw, episode_tokens=torch.tensor([5.0, 5.0, 3.0]))
+    close(segments[0], one_row)
+    if norm == "sequence":  # rows counted as episodes would weigh episode 0 twice
+        assert not torch.isclose(policy_loss(*_rows(split), norm=norm)[0], one_row)
 
 
 def test_per_token_advantages_equal_broadcast_episode_advantages() -> None:

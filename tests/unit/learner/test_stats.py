@@ -8,13 +8,15 @@ import pytest
 
 from rlbus.learner.stats import EvalStats, MaskCounts, StepStats, UpdateStats, pass_at_k
 
-MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0})
+MASKS = MaskCounts(trained=3, by_cause={"stale": 1, "failed": 0, "invalid": 0,
+                                        "bad_logprobs": 0})
 
 
 def step(zero_advantage: int | None = None, update: UpdateStats | None = None) -> StepStats:
     return StepStats(episodes=4, masks=MASKS, reward_mean=0.5, success_rate=math.nan,
                      staleness_mean=1.0, staleness_max=2.0, turns_mean=3.0, tokens=40,
-                     zero_advantage=zero_advantage, update=update)
+                     zero_advantage=zero_advantage, update=update,
+                     segments=None if update is None else 5)
 
 
 def test_a_grpo_step_row_names_every_figure_and_writes_nan_as_null() -> None:
@@ -23,9 +25,10 @@ def test_a_grpo_step_row_names_every_figure_and_writes_nan_as_null() -> None:
     row = step(zero_advantage=1, update=update).row()
     assert list(row) == ["loss", "grad_norm", "clip_frac", "mean_ratio", "approx_kl",
                          "micro_batches", "episodes", "trained", "masked", "masked_stale",
-                         "masked_failed", "masked_invalid", "zero_advantage", "reward_mean",
+                         "masked_failed", "masked_invalid", "masked_bad_logprobs",
+                         "zero_advantage", "reward_mean",
                          "success_rate", "staleness_mean", "staleness_max", "turns_mean",
-                         "tokens"]
+                         "tokens", "segments"]
     assert row["success_rate"] is None and row["masked"] == 1 and row["loss"] == 0.25
 
 
@@ -40,7 +43,7 @@ def test_a_synthetic_step_row_has_a_zero_loss_and_no_advantage_figures() -> None
     stats = step()
     row = stats.row()
     assert stats.loss == 0.0 and row["loss"] == 0.0
-    assert "zero_advantage" not in row and "clip_frac" not in row
+    assert "zero_advantage" not in row and "clip_frac" not in row and "segments" not in row
 
 
 def test_an_evaluation_round_keeps_its_metrics_names() -> None:

@@ -80,7 +80,9 @@ def test_a_format_1_checkpoint_loads(tmp_path: Path) -> None:
     back = load_checkpoint(tmp_path)
     assert back is not None and back.format_version == 2
     assert back.offsets == {("scored", 0): 12, ("scored", 1): 7}
-    assert back.policy is not None and back.masked_by_cause == v1["masked_by_cause"]
+    # a cause added since (bad_logprobs) counts from 0
+    assert back.policy is not None
+    assert back.masked_by_cause == {**v1["masked_by_cause"], "bad_logprobs": 0}
 
 
 def test_the_oldest_format_1_checkpoint_gets_the_defaults_the_learner_used(
@@ -90,7 +92,7 @@ def test_the_oldest_format_1_checkpoint_gets_the_defaults_the_learner_used(
     back = load_checkpoint(tmp_path)
     assert back is not None
     assert back.ledger == [] and back.episodes_trained == 0 and back.ledger_first_step == 3
-    assert back.masked_by_cause == {"stale": 0, "failed": 0, "invalid": 0}
+    assert back.masked_by_cause == {"stale": 0, "failed": 0, "invalid": 0, "bad_logprobs": 0}
 
 
 @pytest.mark.parametrize(("raw", "says"), [

@@ -3,17 +3,24 @@ checkpoint that holds a policy."""
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
+from rlbus import plugins
+from rlbus.client import Episode, ScoredGroup
 from rlbus.learner.distributed import World
+from rlbus.learner.grpo import Whole
 from rlbus.learner.settings import LearnerSettings
 from rlbus.learner.store import PolicyState
 from rlbus.learner.tiny_model import build_tiny_model
-from rlbus.learner.trainer import Trainer
+from rlbus.learner.trainer import Trainer, episode_counts, packed
 from rlbus.learner.work import Release, TrainOrder, Work
+from rlbus.messages import ScoredTrajectory, Trajectory, Turn
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +75,59 @@ def test_restore_needs_a_policy_and_rewinds_to_it(folder: Path) -> None:
         assert bool((pa == pb).all())
     with pytest.raises(ValueError, match="no model"):
         b.restore(None)
+
+
+# -- an episode of several segments (a gateway agent whose history was not linear)
+
+
+def _turn(input_ids: list[int], completion: list[int], fresh: bool = False) -> Turn:
+    return Turn(input_ids=input_ids, completion_ids=completion,
+                logprobs=[-1.0 - 0.25 * i for i in range(len(completion))], policy_version=0,
+                fresh_context=fresh)
+
+
+SPEC = plugins.task("guess_number").sample(random.Random(0))
+
+
+def _episode(index: int, turns: list[Turn], reward: float) -> Episode:
+    t = Trajectory(episode_id=f"g/{index}", group_id="g", index=index, group_size=2,
+                   task="guess_number", spec=SPEC, turns=turns)
+    return Episode.of(ScoredTrajectory(trajectory=t, reward=reward), {})
+
+
+# two calls extending each other, then one whose context was trimmed, and one extending it
+SEGMENTED = [_turn([3, 4, 5], [6, 7]), _turn([8], [9, 10]),
+             _turn([3, 4, 11, 12], [13, 14], fresh=True), _turn([15], [16])]
+
+
+def test_each_segment_is_a_sequence_with_the_episodes_advantage() -> None:
+    work = packed(_episode(0, SEGMENTED, 1.0), 0.5)
+    lp = [-1.0, -1.25]
+    assert work == [
+        Work([3, 4, 5, 6, 7, 8, 9, 10], [False] * 3 + [True] * 2 + [False] + [True] * 2,
+             [0.0] * 3 + lp + [0.0] + lp, 0.5, "g/0"),
+        Work([3, 4, 11, 12, 13, 14, 15, 16], [False] * 4 + [True] * 2 + [False, True],
+             [0.0] * 4 + lp + [0.0, -1.0], 0.5, "g/0"),
+    ]
+    linear = packed(_episode(1, SEGMENTED[:2], 0.0), -0.5)
+    whole, per_sequence = episode_counts(work + linear)
+    assert whole == Whole(tokens=4 + 3 + 4, episodes=2)
+    assert per_sequence == [7.0, 7.0, 4.0]
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence", "dr_grpo"])
+def test_a_step_trains_every_segment_of_an_episode(folder: Path, norm: str) -> None:
+    world = Scripted()
+    t = Trainer(LearnerSettings(model_path=folder, torch_threads=None, loss_norm=norm), world)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    group = ScoredGroup("g", "guess_number", "train",
+                        (_episode(0, SEGMENTED, 1.0), _episode(1, SEGMENTED[:2], 0.0)), 0)
+    stats = t.step([group], version=0)
+    (order,) = world.sent
+    assert isinstance(order, TrainOrder)
+    assert [(len(w.ids), w.advantage > 0) for w in order.work] == [(8, True), (8, True),
+                                                                  (8, False)]
+    assert stats.segments == 3 and stats.masks.trained == 2 and stats.episodes == 2
+    assert stats.update is not None and math.isfinite(stats.update.loss)
+    assert stats.tokens == 8 + 8 + 8
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))

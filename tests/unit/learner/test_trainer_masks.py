@@ -1,12 +1,23 @@
 """Masked episodes are counted by cause; only the rest count as trained."""
 
+import math
+
+import pytest
+
 from rlbus.learner.stats import MaskCounts
-from rlbus.learner.trainer import mask_cause
+from rlbus.learner.trainer import behaviour_finite, mask_cause
+from tests import factories
+
+
+class _Turn:
+    def __init__(self, logprobs: list[float]) -> None:
+        self.logprobs = logprobs
 
 
 class _T:
-    def __init__(self, status: str = "ok", turns: int = 1) -> None:
-        self.status, self.turns = status, [object()] * turns
+    def __init__(self, status: str = "ok", turns: int = 1,
+                 logprobs: tuple[float, ...] = (-0.5,)) -> None:
+        self.status, self.turns = status, [_Turn(list(logprobs))] * turns
 
 
 class _S:
@@ -21,9 +32,28 @@ def test_each_cause_is_told_apart_and_counted() -> None:
         mask_cause(_S(valid=False, status="failed"), 0, 2),  # type: ignore[arg-type]
         mask_cause(_S(valid=False), 0, 2),  # type: ignore[arg-type]
         mask_cause(_S(turns=0), 5, 2),  # type: ignore[arg-type]
+        mask_cause(_S(logprobs=(-0.5, math.nan)), 0, 2),  # type: ignore[arg-type]
+        mask_cause(_S(turns=2, logprobs=(-math.inf,)), 3, 2),  # type: ignore[arg-type]
     ]
-    assert causes == [None, "stale", "failed", "invalid", "invalid"]
+    assert causes == [None, "stale", "failed", "invalid", "invalid", "bad_logprobs",
+                      "bad_logprobs"]
     counts = MaskCounts.of(causes)
-    assert counts.trained == 1 and counts.masked == 4
-    assert counts.row() == {"trained": 1, "masked": 4, "masked_stale": 1, "masked_failed": 1,
-                            "masked_invalid": 2}
+    assert counts.trained == 1 and counts.masked == 6
+    assert counts.row() == {"trained": 1, "masked": 6, "masked_stale": 1, "masked_failed": 1,
+                            "masked_invalid": 2, "masked_bad_logprobs": 2}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_behaviour_logprob_anywhere_in_the_episode_masks_it(bad: float) -> None:
+    t = factories.trajectory()
+    turn = t.turns[0]
+    assert behaviour_finite(t)
+    # the wire refuses NaN and +inf (StepResult, Turn), but -inf passes it, and so does
+    # anything that skips validation (model_copy, model_construct)
+    broken = turn.model_copy(update={"logprobs": [-0.25, bad]})
+    episode = t.model_copy(update={"turns": [turn, broken, turn]})
+    assert not behaviour_finite(episode)
+    assert mask_cause(factories.scored().model_copy(update={"trajectory": episode}), 0, 2) \
+        == "bad_logprobs"
+    huge = turn.model_copy(update={"logprobs": [-3.4e38, -3.4e38]})  # float32's most negative
+    assert behaviour_finite(t.model_copy(update={"turns": [huge] * 100}))

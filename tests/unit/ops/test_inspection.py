@@ -12,7 +12,7 @@ import msgpack
 from rich.console import Console
 
 from rlbus.codec import encode
-from rlbus.messages import DeadLetter, Prompt, StepRequest, WeightVersion
+from rlbus.messages import DeadLetter, Prompt, StepRequest, Trajectory, WeightVersion
 from rlbus.ops import inspection
 from rlbus.ops.status import Sample, render, table
 from rlbus.settings import TopicSettings
@@ -173,6 +173,28 @@ def test_trace_shows_utc_times_and_offsets_from_the_first_record():
     assert str(T0) not in out  # no raw epoch milliseconds
 
 
+def test_trace_shows_where_each_segment_of_an_episode_starts():
+    t = factories.trajectory("run/8")
+    first = t.turns[0]
+    fresh = first.model_copy(update={"input_ids": [1, 2, 3], "fresh_context": True,
+                                     "action": "5"})
+    t = t.model_copy(update={"turns": [first, first, fresh]})
+    found = inspection.EpisodeRecords("run/8/0", [one(encode(t), Trajectory)])
+    text: list[str] = []
+    inspection.render_episode(found, text.append)
+    lines = "".join(text).splitlines()
+    assert "  segments 2 (its agent's history was not linear" in "\n".join(lines)
+    at = next(i for i, line in enumerate(lines) if line.startswith("  -- segment starts"))
+    assert lines[at] == ("  -- segment starts: turn 2's context is its 3 input tokens, not "
+                         "the turns above")
+    assert lines[at - 1].startswith("  turn 1 ") and lines[at + 1].startswith("  turn 2 ")
+    linear = inspection.EpisodeRecords("run/8/1", [one(encode(factories.trajectory()),
+                                                       Trajectory)])
+    text.clear()
+    inspection.render_episode(linear, text.append)
+    assert "segment" not in "".join(text)
+
+
 def test_status_at_80_columns_shows_the_prefix_once_and_distinct_topic_names():
     prefix = "demo-20261203-101112"
     names = [s.name for s in Topics(TopicSettings(prefix=prefix)).catalogue()]
@@ -199,7 +221,8 @@ def test_status_counts_samples_trained_apart_from_masked_ones_by_cause():
     console.print(render(at(10.0, 4, 100, 1), at(12.0, 6, 150, 3)))
     row = next(line for line in console.file.getvalue().splitlines() if "policy" in line)
     cells = [c.strip() for c in row.split("│")[1:-1]]
-    assert cells == ["policy", "6", "150", "25.0", "3", "2", "0"]  # 50 trained in 2 s
+    # 50 trained in 2 s; masked stale, failed, invalid, bad_logprobs
+    assert cells == ["policy", "6", "150", "25.0", "3", "2", "0", "0"]
 
 
 def test_trace_shortens_large_bad_records_and_json_keeps_them_whole():

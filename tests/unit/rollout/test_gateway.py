@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from rlbus.api import Generation
 from rlbus.learner.chat_model import build_chat_model
-from rlbus.messages import Sampling
+from rlbus.messages import Sampling, Trajectory, Turn
 from rlbus.rollout.gateway import Gateway
 from rlbus.rollout.sessions import GatewayCode, GatewayError, parse_tool_calls
 from tests.polling import wait_until
@@ -82,6 +82,8 @@ async def test_multi_turn_chat_records_exact_tokens(gateway, tokenizer):
     assert tokenizer.decode(policy.contexts[1], skip_special_tokens=False) == rendered
     assert {t.policy_version for t in s.turns} == {7}
     assert s.failed is None
+    assert not any(t.fresh_context for t in s.turns)  # linear: one segment
+    assert [len(seg) for seg in _trajectory(s.turns).segments()] == [2]
 
 
 async def test_a_tool_round_trip(gateway, tokenizer):
@@ -118,10 +120,11 @@ def test_malformed_tool_calls_stay_content():
                                                           "arguments": '{"x": 1}'}
 
 
-async def test_an_edited_history_fails_the_episode_with_the_reason(gateway, tokenizer):
+async def test_in_strict_mode_an_edited_history_fails_the_episode_with_the_reason(
+        gateway, tokenizer):
     policy = Scripted(tokenizer, ["one", "two"])
     async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
-                               max_context_tokens=2048) as s:
+                               max_context_tokens=2048, history="strict") as s:
         client = _client(gateway, s.id)
         messages = [{"role": "user", "content": "count"}]
         await client.chat.completions.create(model="policy", messages=messages)
@@ -236,6 +239,141 @@ async def test_concurrent_sessions_are_independent(gateway, tokenizer):
     assert all(len(t) == 1 for _, t in results)
     assert not gateway.sessions  # every session closed
 
+
+
+# -- histories that are not linear: each such call is a new segment ("segments" mode)
+
+
+def _trajectory(turns: list[Turn]) -> Trajectory:
+    return Trajectory(episode_id="g/0", group_id="g", index=0, group_size=1, task="t",
+                      spec={}, turns=turns)
+
+
+def _rendered(tokenizer, messages: list, tools: list | None = None) -> list[int]:
+    """What a first call with ``messages`` is given: the template's rendering, tokenised."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _starts_a_segment(tokenizer, policy: Scripted, turns: list[Turn], k: int,
+                      messages: list, tools: list | None = None) -> None:
+    """Call ``k`` was given exactly the rendering of its messages, recorded as a new segment
+    whose whole context is its input."""
+    assert turns[k].fresh_context
+    assert turns[k].input_ids == _rendered(tokenizer, messages, tools) == policy.contexts[k]
+
+
+def _extends(policy: Scripted, turns: list[Turn], k: int) -> None:
+    """Call ``k`` was given call ``k-1``'s context, its sampled ids and only what is new."""
+    assert not turns[k].fresh_context
+    assert policy.contexts[k] == (policy.contexts[k - 1] + turns[k - 1].completion_ids
+                                  + turns[k].input_ids)
+
+
+def _reply(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+async def test_a_trimmed_history_starts_a_segment_that_later_calls_extend(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["a1", "a2", "a3", "a4"])
+    system = {"role": "system", "content": "be brief"}
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id)
+        calls = [[system, _user("u1")]]
+        calls.append([*calls[0], _reply("a1"), _user("u2")])
+        calls.append([system, _user("u2"), _reply("a2"), _user("u3")])  # u1, a1 dropped
+        calls.append([*calls[2], _reply("a3"), _user("u4")])
+        for messages in calls:
+            await client.chat.completions.create(model="policy", messages=messages)
+    assert s.failed is None and len(s.turns) == 4
+    _extends(policy, s.turns, 1)
+    _starts_a_segment(tokenizer, policy, s.turns, 2, calls[2])
+    _extends(policy, s.turns, 3)
+    assert [len(seg) for seg in _trajectory(s.turns).segments()] == [2, 2]
+    assert tokenizer.decode(policy.contexts[3]) == tokenizer.apply_chat_template(
+        calls[3], add_generation_prompt=True, tokenize=False)
+
+
+async def test_an_edited_reply_starts_a_segment_with_the_edit_in_its_context(gateway,
+                                                                            tokenizer):
+    policy = Scripted(tokenizer, ["one", "two"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id)
+        first = [_user("count")]
+        await client.chat.completions.create(model="policy", messages=first)
+        edited = [*first, _reply("ONE (edited)"), _user("again")]
+        r = await client.chat.completions.create(model="policy", messages=edited)
+        assert r.choices[0].message.content == "two"
+    assert s.failed is None
+    _starts_a_segment(tokenizer, policy, s.turns, 1, edited)
+    assert "ONE (edited)" in tokenizer.decode(s.turns[1].input_ids)
+
+
+async def test_a_retried_call_whose_reply_was_not_kept_is_a_segment_of_its_own(gateway,
+                                                                               tokenizer):
+    policy = Scripted(tokenizer, ["first", "again", "next", "retried"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=2048) as s:
+        client = _client(gateway, s.id)
+        ask = [_user("q")]
+        await client.chat.completions.create(model="policy", messages=ask)
+        await client.chat.completions.create(model="policy", messages=ask)  # "first" dropped
+        later = [*ask, _reply("again"), _user("q2")]
+        await client.chat.completions.create(model="policy", messages=later)
+        await client.chat.completions.create(model="policy", messages=later)  # "next" dropped
+    assert s.failed is None
+    _starts_a_segment(tokenizer, policy, s.turns, 1, ask)
+    assert policy.contexts[1] == policy.contexts[0]  # the same call, sampled twice
+    _extends(policy, s.turns, 2)
+    _starts_a_segment(tokenizer, policy, s.turns, 3, later)
+    assert [len(seg) for seg in _trajectory(s.turns).segments()] == [1, 2, 1]
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}
+
+
+async def test_changed_tools_start_a_segment_rendered_with_the_new_tools(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["a1", "a2", "a3"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=4096) as s:
+        client = _client(gateway, s.id)
+        messages = [_user("u1")]
+        await client.chat.completions.create(model="policy", messages=messages,
+                                             tools=[_tool("add")])
+        messages += [_reply("a1"), _user("u2")]
+        tools = [_tool("add"), _tool("mul")]
+        await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        messages += [_reply("a2"), _user("u3")]
+        await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+    assert s.failed is None
+    _starts_a_segment(tokenizer, policy, s.turns, 1, messages[:3], tools)
+    assert '"mul"' in tokenizer.decode(s.turns[1].input_ids)
+    _extends(policy, s.turns, 2)  # the same new tools: the segment goes on
+
+
+async def test_in_strict_mode_changed_tools_fail_the_episode(gateway, tokenizer):
+    policy = Scripted(tokenizer, ["a1", "a2"])
+    async with gateway.session(policy=policy, tokenizer=tokenizer, sampling=Sampling(),
+                               max_context_tokens=4096, history="strict") as s:
+        client = _client(gateway, s.id)
+        messages = [_user("u1")]
+        await client.chat.completions.create(model="policy", messages=messages,
+                                             tools=[_tool("add")])
+        messages += [_reply("a1"), _user("u2")]
+        with pytest.raises(openai.BadRequestError, match="the tools differ") as err:
+            await client.chat.completions.create(model="policy", messages=messages,
+                                                 tools=[_tool("mul")])
+        assert err.value.code == "context_diverged"
+    assert s.failed and len(s.turns) == 1
 
 
 def test_an_error_answer_says_with_its_code_whether_to_try_again():
@@ -396,3 +534,35 @@ async def test_a_client_gone_mid_stream_loses_nothing_recorded(gateway, tokenize
                     break  # read one event, then hang up
         assert len(s.turns) == 1 and s.failed is None and not s.busy
         assert tokenizer.decode(s.turns[0].completion_ids).count("word") == 200
+
+
+async def test_text_parts_render_as_the_string_they_join_to(gateway, tokenizer):
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "2 + 40?"}]
+
+    async def calls(client):
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": parts}])
+        with pytest.raises(openai.BadRequestError, match="only text parts"):
+            await client.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+    _, s = await _recorded(gateway, tokenizer, ["42"], calls)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "what is\n2 + 40?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(s.turns[0].input_ids, skip_special_tokens=False) == rendered
+
+
+async def test_a_deeply_nested_body_is_a_400_on_every_route(gateway):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with gateway.session(policy=None, tokenizer=None, sampling=Sampling(),
+                               max_context_tokens=64) as s, \
+            httpx.AsyncClient(base_url=gateway.base_url(s.id)) as raw:
+        for route in ("/chat/completions", "/responses", "/messages"):
+            r = await raw.post(route, content=deep, headers={"x-api-key": s.id})
+            assert r.status_code == 400 and "not valid JSON" in r.text, (route, r.text)
+
+
+def test_tool_call_arguments_keep_their_characters():
+    _, (call,) = parse_tool_calls('<tool_call>{"name": "weather", "arguments": '
+                                  '{"city": "Zürich"}}</tool_call>')
+    assert call["function"]["arguments"] == '{"city": "Zürich"}'

@@ -17,9 +17,9 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
 
 
-def _session(tokenizer) -> Session:
+def _session(tokenizer) -> Session:  # strict: a call that does not extend the history fails
     return Session(id="s", policy=None, tokenizer=tokenizer, sampling=Sampling(),
-                   max_context_tokens=4096)
+                   max_context_tokens=4096, history="strict")
 
 
 def _request(messages) -> ChatRequest:
@@ -42,7 +42,7 @@ def test_a_call_adds_the_template_text_after_the_recorded_ids(tokenizer, ended):
     recorded = list(s.ids)
     messages.append({"role": "user", "content": "2 + 2 ?"})
     context, new = s.context(_request(messages))
-    assert context == recorded + new  # the sampled ids as sampled, then the new messages
+    assert not s.fresh and context == recorded + new  # the ids as sampled, then the rest
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=False)
     assert tokenizer.decode(context, skip_special_tokens=False) == rendered
