@@ -20,7 +20,8 @@ from rlbus.transport import Bus
 
 def settings(model: Path, run: Path, common: dict[str, Any], **learner: Any) -> dict[str, Any]:
     return {
-        "inference": InferenceSettings(**common, model_path=model, batch_wait_ms=1),
+        "inference": InferenceSettings(**common, model_path=model, batch_wait_ms=1,
+                                       weights_dir=run / "weights"),
         "rollout": RolloutSettings(**common, model_path=model, step_timeout_s=10),
         "reward": RewardSettings(**common),
         "learner": LearnerSettings(

@@ -133,6 +133,13 @@ class ChecksumMismatchError(RefusedError, RuntimeError):
     reason = RefusalReason.INVALID
 
 
+class WeightsOutsideStoreError(RefusedError, ValueError):
+    """A WeightVersion's uri names a file outside the configured weight store (or no local
+    file at all): never loaded, dead-lettered."""
+
+    reason = RefusalReason.INVALID
+
+
 class BrokerTimeout(RetriableError, TimeoutError):
     """A broker call did not finish within ``KafkaSettings.request_timeout_s``."""
 
@@ -182,6 +189,16 @@ class SegmentedEpisodeError(FatalError, ValueError):
 
 class UnknownSettingError(FatalError, ValueError):
     """An RLBUS_* environment variable names no setting of any rlbus service."""
+
+
+class AccessDeniedError(FatalError, PermissionError):
+    """The broker refuses this principal an operation its role needs (an ACL is missing,
+    or the role is used for what is not its own); the message names the operation, the
+    resource and what to fix."""
+
+
+class MissingTopicError(FatalError, LookupError):
+    """A topic of the catalogue does not exist (``rlbus topics create`` makes them)."""
 
 
 class TopicMismatchError(FatalError, RuntimeError):

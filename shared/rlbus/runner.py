@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlbus import logs, telemetry
+from rlbus.errors import AccessDeniedError, MissingTopicError
 from rlbus.plugins import PluginError
 from rlbus.settings import ServiceSettings, UnknownSettingError, tiers
 from rlbus.transport import BrokerConnectError
@@ -43,9 +44,19 @@ def configure_logging(level: str) -> None:
     logs.configure(level)
 
 
-def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop if asked for and installed; None: asyncio's default."""
+def loop_factory(kind: str, tls: bool = False) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop if asked for and installed; None: asyncio's default.
+
+    ``tls``: the Kafka clients speak TLS. Closing one then took 30 s now and then on
+    uvloop (its TLS shutdown waits out ``ssl_shutdown_timeout`` for the broker's
+    close_notify: 1 close in 4 measured, never on asyncio's loop), which stalls a start that
+    closes a reader and every drain; so asyncio's loop is used, and said."""
     if kind != "uvloop":
+        return None
+    if tls:
+        logging.getLogger(__name__).warning(
+            "Kafka over TLS: using asyncio's event loop, not uvloop, whose TLS close can stall "
+            "for 30 s (RLBUS_EVENT_LOOP=asyncio says this without the warning)")
         return None
     try:
         import uvloop
@@ -67,10 +78,13 @@ def run_service(name: str, **overrides: Any) -> dict[str, Any]:
     telemetry.setup(f"rlbus-{name}")
     try:
         service = load(type(settings).service)(settings)
-        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+        tls = settings.kafka.security_protocol in ("SSL", "SASL_SSL")
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop, tls)) as runner:
             summary: dict[str, Any] = runner.run(service.serve())
     except BrokerConnectError as exc:
         raise SystemExit(f"rlbus {name}: cannot reach Kafka: {exc}") from None
+    except (AccessDeniedError, MissingTopicError) as exc:  # a missing ACL or topic
+        raise SystemExit(f"rlbus {name}: {exc}") from None
     except PluginError as exc:  # a task, agent or verifier that cannot be found or loaded
         raise SystemExit(f"rlbus {name}: {exc}") from None
     finally:

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any, ClassVar, Generic, TypeVar
 
-from rlbus import telemetry
+from rlbus import acl, telemetry
 from rlbus.settings import ServiceSettings
 from rlbus.topics import Topics
 from rlbus.transport import Bus, KafkaBus
@@ -38,7 +38,7 @@ class Service(ABC, Generic[S]):
         self.settings = settings
         self.topics = Topics(settings.topics)
         self.member = f"{self.name}-{settings.instance}"
-        self.group = settings.group or f"{settings.topics.prefix}.{self.name}"
+        self.group = settings.group or acl.group_name(settings.topics.prefix, self.name)
         self.bus = bus or KafkaBus(settings.kafka, dlq_topic=self.topics.dlq, service=self.member)
         self.bus.service = self.member  # names this member in dead letters and spans
         self.bus.max_message_bytes = settings.topics.max_message_bytes
@@ -72,6 +72,21 @@ class Service(ABC, Generic[S]):
     async def close(self) -> None:
         """Release what ``setup`` made besides Kafka clients; called last, even after a
         failed setup."""
+
+    def transactional_ids(self) -> list[str]:
+        """The transactional ids this member will use (checked before setup)."""
+        return []
+
+    async def check_access(self) -> None:
+        """Before any work: on a broker where this member logs in as a principal (SASL),
+        that the principal holds every right the role needs (:func:`rlbus.acl.check_access`),
+        so that a missing ACL stops the start with a line naming it, not a send later."""
+        if not isinstance(self.bus, KafkaBus) or self.name not in acl.TIER_ROLES:
+            return
+        kafka = self.bus.kafka
+        if kafka.security_protocol.startswith("SASL_"):
+            await acl.check_access(kafka, self.settings.topics, acl.Role(self.name),
+                                   group=self.group, transactional_ids=self.transactional_ids())
 
     # -- lifecycle
 
@@ -138,6 +153,7 @@ class Service(ABC, Generic[S]):
     async def run(self) -> dict[str, Any]:
         """setup → main until stopped → drain → close. Returns the summary."""
         try:
+            await self.check_access()
             await self.setup()
             log.info("%s ready", self.member)
             self.ready.set()

@@ -31,7 +31,15 @@ class _Section(BaseModel):
 
 
 class KafkaSettings(_Section):
-    """How to reach the broker; security settings are here from the start."""
+    """How to reach the broker, and as whom.
+
+    With SASL each role connects as its own principal (docs/security.md): the password
+    comes from ``sasl_password`` or, better, from ``sasl_password_file`` (a mounted secret),
+    read when a client connects. A secret never appears in a repr, a log line or a
+    validation error (``hide_input_in_errors``: pydantic would quote a rejected value).
+    """
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     bootstrap: str = "127.0.0.1:9092"
     """Comma-separated host:port list of brokers."""
@@ -42,7 +50,10 @@ class KafkaSettings(_Section):
     sasl_username: str | None = None
     """SASL user."""
     sasl_password: SecretStr | None = None
-    """SASL password; never logged."""
+    """SASL password; never logged. Prefer ``sasl_password_file``."""
+    sasl_password_file: Path | None = None
+    """File holding the SASL password (trailing newline ignored), e.g. a mounted Secret;
+    read when a client connects. ``sasl_password``, if set, is used instead."""
     ssl_cafile: Path | None = None
     """CA bundle that signed the broker certificate (SSL, SASL_SSL)."""
     ssl_certfile: Path | None = None
@@ -58,12 +69,31 @@ class KafkaSettings(_Section):
         if self.security_protocol.startswith("SASL_"):
             missing = [
                 name
-                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                for name in ("sasl_mechanism", "sasl_username")
                 if getattr(self, name) is None
             ]
+            if self.sasl_password is None and self.sasl_password_file is None:
+                missing.append("sasl_password or sasl_password_file")
             if missing:
                 raise ValueError(f"{self.security_protocol} needs {', '.join(missing)}")
+            self.password()  # an unreadable file fails here, at start, not at connect
         return self
+
+    def password(self) -> str | None:
+        """The SASL password, from the setting or its file; None without one."""
+        if self.sasl_password is not None:
+            return self.sasl_password.get_secret_value()
+        if self.sasl_password_file is None:
+            return None
+        try:
+            text = self.sasl_password_file.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read sasl_password_file {self.sasl_password_file}: "
+                             f"{exc.strerror}") from None
+        password = text.rstrip("\r\n")
+        if not password:
+            raise ValueError(f"sasl_password_file {self.sasl_password_file} is empty")
+        return password
 
 
 class TopicSettings(_Section):
@@ -228,6 +258,8 @@ class ServiceSettings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        # a rejected section is quoted whole otherwise, a password in it (KafkaSettings)
+        hide_input_in_errors=True,
     )
 
     kafka: KafkaSettings = KafkaSettings()
@@ -252,7 +284,8 @@ class ServiceSettings(BaseSettings):
     """On SIGTERM, how long to finish in-flight work before giving it back."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop: uvloop (faster per message; docs/performance.md) where it is
-    installed (not on Windows, which falls back to asyncio's own), or asyncio's own."""
+    installed (not on Windows, which falls back to asyncio's own) and Kafka is not spoken
+    over TLS (:func:`rlbus.runner.loop_factory`), or asyncio's own."""
 
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rlbus.errors import (
     ChecksumMismatchError as ChecksumMismatchError,  # still importable from here
 )
+from rlbus.errors import WeightsOutsideStoreError as WeightsOutsideStoreError
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -35,4 +36,20 @@ def verified_weights(uri: str, checksum: str) -> Path:
     actual = sha256_file(path)
     if actual != checksum:
         raise ChecksumMismatchError(f"{path}: sha256 {actual[:12]}… != announced {checksum[:12]}…")
+    return path
+
+
+def inside_store(uri: str, store: Path) -> Path:
+    """The weights file ``uri`` names, if it lies inside the weight store ``store``:
+    a local path (or ``file://`` URI) whose real location, with every ``..`` and symbolic
+    link followed, is under the store's. Else :class:`WeightsOutsideStoreError`: a
+    WeightVersion must not make a reader load a file of the sender's choosing."""
+    if "://" in uri and not uri.startswith("file://"):
+        raise WeightsOutsideStoreError(f"weights uri {uri!r} is not a local path inside the "
+                                       f"weight store {store} (RLBUS_WEIGHTS_DIR)")
+    path = weights_file(uri).resolve()
+    root = store.resolve()
+    if not path.is_relative_to(root):
+        raise WeightsOutsideStoreError(f"weights uri {uri!r} ({path}) lies outside the weight "
+                                       f"store {root} (RLBUS_WEIGHTS_DIR)")
     return path

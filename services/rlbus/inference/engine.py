@@ -26,6 +26,9 @@ class Engine(ABC):
     """A batch generator with a policy version."""
 
     version: int = 0
+    reads_weight_files: bool = True
+    """False for an engine that loads nothing from a version's uri (synthetic): its uris
+    are not checked against the weight store."""
 
     @abstractmethod
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:

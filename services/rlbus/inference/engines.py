@@ -48,8 +48,9 @@ class HFEngine(Engine):
         torch.manual_seed(settings.seed + zlib.crc32(settings.instance.encode()))
         self.torch = torch
         self.device = torch.device(settings.device)
+        # safetensors only: a pickled checkpoint (pytorch_model.bin) can run code on load
         model: Any = AutoModelForCausalLM.from_pretrained(
-            settings.model_path, dtype=getattr(torch, settings.dtype)
+            settings.model_path, dtype=getattr(torch, settings.dtype), use_safetensors=True
         )
         self.model = model.to(self.device)
         self.model.eval()
@@ -131,6 +132,8 @@ def _first(*values: Any) -> Any:
 
 class SyntheticEngine(Engine):
     """No model: waits as long as the latency model says and returns uniform tokens."""
+
+    reads_weight_files = False
 
     def __init__(self, settings: InferenceSettings) -> None:
         self.cfg = settings.synthetic

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 from rlbus import telemetry
+from rlbus.errors import Refusal
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.engines import make_engine
 from rlbus.inference.settings import InferenceSettings
@@ -32,7 +33,7 @@ from rlbus.limits import check_step
 from rlbus.messages import Sampling, StepRequest, StepResult, WeightsServed, WeightVersion
 from rlbus.service import Service
 from rlbus.transport import Bus, Consumer, Delivery, Producer
-from rlbus.weights import ChecksumMismatchError
+from rlbus.weights import ChecksumMismatchError, WeightsOutsideStoreError, inside_store
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class Inference(Service[InferenceSettings]):
             # Loaded on the loop thread: transformers' meta-device init is not thread-safe,
             # and nothing else runs before setup ends anyway.
             self.engine = make_engine(self.settings)
+        if self.settings.weights_dir is None and self.engine.reads_weight_files:
+            log.warning("RLBUS_WEIGHTS_DIR is not set: weights are loaded from any local path "
+                        "a WeightVersion names; set it to the learner's weight store")
         self.producer: Producer = await self.bus.producer()
         self.weights: Consumer[WeightVersion] = await self.bus.consumer(
             [self.topics.weights], WeightVersion, assign=[(self.topics.weights, 0)]
@@ -76,21 +80,37 @@ class Inference(Service[InferenceSettings]):
 
     async def _catch_up_weights(self) -> None:
         """A (re)started replica serves the newest published weights from its first batch."""
-        self._note_weights(await self.weights.read_to_end((self.topics.weights, 0)))
+        await self._note_weights(await self.weights.read_to_end((self.topics.weights, 0)))
         await self._maybe_reload()
 
     async def _watch_weights(self) -> None:
         while not self.stopping:
-            self._note_weights(await self.weights.poll(1.0))
+            await self._note_weights(await self.weights.poll(1.0))
 
-    def _note_weights(self, batch: list[Delivery[WeightVersion]]) -> None:
+    async def _note_weights(self, batch: list[Delivery[WeightVersion]]) -> None:
         for d in batch:
             w = d.message
-            if w.model == self.settings.model_name and (
-                self._latest is None or w.version > self._latest.version
-            ):
+            if w.model != self.settings.model_name:
+                continue
+            refusal = self._outside_store(w)
+            if refusal is not None:
+                await self.weights.reject(d, refusal)
+                self.bump("weights_outside_store")
+            elif self._latest is None or w.version > self._latest.version:
                 self._latest = w
                 self._new_weights.set()
+
+    def _outside_store(self, w: WeightVersion) -> Refusal | None:
+        """Why ``w`` must not be loaded: its uri lies outside the weight store."""
+        store = self.settings.weights_dir
+        assert self.engine is not None
+        if store is None or not self.engine.reads_weight_files:
+            return None
+        try:
+            inside_store(w.uri, store)
+        except WeightsOutsideStoreError as exc:
+            return exc.refusal
+        return None
 
     async def _maybe_reload(self) -> None:
         assert self.engine is not None

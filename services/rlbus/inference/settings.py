@@ -37,6 +37,11 @@ class InferenceSettings(ServiceSettings):
     """Folder of a Hugging Face causal LM (config, safetensors, tokenizer); not for synthetic."""
     model_name: str = "policy"
     """Key of this model's WeightVersion events; only those are loaded."""
+    weights_dir: Path | None = None
+    """The weight store the learner publishes to (its ``RLBUS_WEIGHTS_DIR``, at the same
+    path here): a WeightVersion whose uri lies outside it is dead-lettered, never loaded.
+    None: any local path is loaded (logged at start); set it wherever the weights topic
+    could carry a version from anyone but the learner."""
     device: str = "cpu"
     """torch device of the hf engine, e.g. cpu or cuda:0."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

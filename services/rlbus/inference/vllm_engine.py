@@ -98,6 +98,7 @@ def _engine_args(cls: Any, settings: InferenceSettings) -> Any:
         settings.vllm_kv_cache_gib * 2**30)
     return cls(
         model=str(settings.model_path),
+        load_format="safetensors",  # never a pickled checkpoint: unpickling can run code
         dtype=settings.dtype,
         # Replicas of one tier must not draw the same samples for the same prompt.
         seed=settings.seed + zlib.crc32(settings.instance.encode()),

@@ -149,7 +149,9 @@ def load_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
     if not path.exists():
         return None
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: tensors, containers and numbers only; a checkpoint file that would
+        # run code when unpickled (a tampered or foreign one) is refused, not executed
+        raw = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: not a readable checkpoint: {exc}") from exc
     return read_checkpoint(raw, path)

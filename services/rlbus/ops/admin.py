@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from rlbus import plugins
+from rlbus.acl import TIER_ROLES, Role, acls, apply_acls
 from rlbus.errors import PluginError
 from rlbus.messages import Prompt, Sampling
 from rlbus.prompt_data import (
@@ -38,6 +39,34 @@ class AdminSettings(ServiceSettings):
     @classmethod
     def also_accepted(cls) -> list[type[BaseModel]]:
         return list(tiers().values())
+
+
+def principals(pairs: Sequence[str]) -> dict[Role, str]:
+    """``ROLE=USER`` pairs as a mapping; a clear exit on an unknown role."""
+    found = {}
+    for pair in pairs:
+        role, sep, user = pair.partition("=")
+        if not sep or not user or role not in TIER_ROLES:
+            raise SystemExit(f"rlbus acl: --principal {pair!r}: expected ROLE=USER with ROLE "
+                             f"one of {', '.join(TIER_ROLES)}")
+        found[Role(role)] = user
+    return found
+
+
+async def acl_command(dry_run: bool, pairs: Sequence[str] = ()) -> int:
+    """Print (``dry_run``) or apply the ACL rows of every role for the configured topics."""
+    s = AdminSettings()
+    rows = acls(s.topics, principals(pairs))
+    if dry_run:
+        for row in rows:
+            print(row)
+        return 0
+    created = await apply_acls(s.kafka, rows)
+    for row in created:
+        print(f"created  {row}")
+    print(f"rlbus acl: {len(created)} created, {len(rows) - len(created)} already held "
+          f"({len(rows)} rows for the topics of prefix {s.topics.prefix!r})")
+    return 0
 
 
 async def topics_command(action: str) -> int:

@@ -3,12 +3,13 @@
 rlbus demo                      train on the built-in multi-turn task, end to end
 rlbus run SERVICE               run one service (rollout, inference, reward, learner)
 rlbus topics create             create the topic catalogue (idempotent)
+rlbus acl apply [--dry-run]     grant each role the ACLs it needs (idempotent)
 rlbus model init PATH           build a tiny random-init model and tokenizer in PATH
 rlbus feed FILE.jsonl           publish prompts from a dataset file
 rlbus replay TOPIC              print (or re-publish) messages of a topic
 rlbus trace EPISODE_ID          one episode's messages across topics, turn by turn
 rlbus status                    lag and throughput per topic and consumer group
-rlbus broker start|stop|status  a local Kafka broker (no Docker needed)
+rlbus broker start|stop|status  a local Kafka broker (no Docker needed; --secure: ACLs)
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="model shape (default tiny; h64 with --engine vllm)")
     demo.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                       help="interpreter of vLLM's venv (make vllm-env)")
+    demo.add_argument("--secure", action="store_true",
+                      help="a local broker with TLS, a SCRAM user per role and ACLs "
+                      "(docs/security.md); each service logs in as its own role")
 
     run = sub.add_parser("run", help="run one service until SIGTERM")
     from rlbus.settings import tiers  # the installed tiers' registry (settings modules only)
@@ -52,6 +56,17 @@ def _parser() -> argparse.ArgumentParser:
 
     topics = sub.add_parser("topics", help="the topic catalogue")
     topics.add_argument("action", choices=("create", "list"))
+
+    acl = sub.add_parser(
+        "acl", help="the ACLs each role needs on a secured broker (docs/security.md)",
+        description="Rows derived from the topic catalogue (RLBUS_TOPICS__PREFIX) and the "
+        "group and transactional-id names the services use. `apply` connects as the admin "
+        "principal (RLBUS_KAFKA__*) and creates those the broker lacks.")
+    acl.add_argument("action", choices=("apply",))
+    acl.add_argument("--dry-run", action="store_true",
+                     help="print the rows, connect to nothing")
+    acl.add_argument("--principal", action="append", default=[], metavar="ROLE=USER",
+                     help="the SCRAM user of a role (default: the role's name), repeatable")
 
     model = sub.add_parser("model", help="a local model folder for the services")
     model_sub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -128,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
+    from rlbus.errors import AccessDeniedError
     from rlbus.settings import UnknownSettingError
     from rlbus.transport import BrokerConnectError
 
@@ -137,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"rlbus {args.command}: invalid settings: {exc}") from None
     except BrokerConnectError as exc:
         raise SystemExit(f"rlbus {args.command}: cannot reach Kafka: {exc}") from None
+    except AccessDeniedError as exc:
+        raise SystemExit(f"rlbus {args.command}: {exc}") from None
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -153,6 +171,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlbus.ops.admin import topics_command
 
         return asyncio.run(topics_command(args.action))
+    if args.command == "acl":
+        from rlbus.ops.admin import acl_command
+
+        return asyncio.run(acl_command(args.dry_run, args.principal))
     if args.command == "model":
         from pathlib import Path
 

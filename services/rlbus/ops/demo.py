@@ -56,6 +56,8 @@ class Demo:
     engine: str = "hf"
     size: str = "tiny"
     vllm_python: str | None = None
+    secure: bool = False
+    """A local broker with TLS, a SCRAM user per role and ACLs; each service its own user."""
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -71,14 +73,11 @@ class Demo:
     # -- setup
 
     def prepare(self) -> dict[str, str]:
-        from rlbus.ops.broker import bootstrap_or_start
         from rlbus.topics import ensure_topics
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         say(f"run folder: {self.run_dir}")
-        say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP) …")
-        bootstrap, self.cluster = bootstrap_or_start()
-        say(f"broker at {bootstrap}")
+        kafka = self._broker()
         model = self.run_dir / "model"
         if not (model / "config.json").exists():
             from transformers.utils import logging as transformers_logging
@@ -88,13 +87,39 @@ class Demo:
             transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
             build_tiny_model(model, size=self.size)
         self.model = model
-        kafka = KafkaSettings(bootstrap=bootstrap)
         topics = TopicSettings(prefix=f"demo-{self.run_dir.name}", partitions=4,
                                result_partitions=4)
         asyncio.run(ensure_topics(kafka, topics))
+        if self.secure:
+            from rlbus.acl import acls, apply_acls
+
+            asyncio.run(apply_acls(kafka, acls(topics)))
         # Only the settings every service has: the per-tier ones come in launch().
         return child_env({**settings_env(kafka=kafka, topics=topics), "PYTHONUNBUFFERED": "1",
                           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"})
+
+    def _broker(self) -> KafkaSettings:
+        """The broker's settings for the demo itself (admin, when secured)."""
+        if self.secure:
+            from rlbus.ops.broker.secure import SecureCluster
+
+            say("starting a secured Kafka (SASL_SSL, a SCRAM user per role, ACLs) …")
+            secure = self.cluster = SecureCluster().start()
+            say(f"broker at {secure.bootstrap}; every service logs in as its own role")
+            return secure.kafka()
+        from rlbus.ops.broker import bootstrap_or_start
+
+        say("starting Kafka (or using RLBUS_KAFKA_BOOTSTRAP) …")
+        bootstrap, self.cluster = bootstrap_or_start()
+        say(f"broker at {bootstrap}")
+        return KafkaSettings(bootstrap=bootstrap)
+
+    def _login(self, role: str) -> dict[str, str]:
+        """``role``'s user on a secured broker (its password stays in its file), and
+        asyncio's loop, which TLS needs (:func:`rlbus.runner.loop_factory`)."""
+        if not self.secure:
+            return {}
+        return settings_env(kafka=self.cluster.kafka(role), event_loop="asyncio")
 
     def launch(self, env: dict[str, str]) -> None:
         model = settings_env(model_path=self.model)
@@ -104,15 +129,16 @@ class Demo:
             # backend the "GPU" share is of the machine's memory)
             engine |= settings_env(vllm_enforce_eager=True, vllm_max_model_len=256,
                                    vllm_kv_cache_gib=1, vllm_gpu_memory_utilization=0.2)
+        store = settings_env(weights_dir=self.run_dir / "weights")  # written and read
         extra: dict[str, dict[str, str]] = {
-            "inference": {**model, **engine},
+            "inference": {**model, **engine, **store},
             "reward": {},
             "rollout": model,
             "learner": {
                 **model,
                 **RECIPE,
-                **settings_env(max_steps=self.steps, weights_dir=self.run_dir / "weights",
-                               checkpoint_dir=self.run_dir / "checkpoint",
+                **store,
+                **settings_env(max_steps=self.steps, checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
                 **tracking_env(),
             },
@@ -121,8 +147,8 @@ class Demo:
         for name, count in counts.items():
             python = self.vllm_python if name == "inference" else None
             for i in range(count):
-                self.procs.spawn(name, i, {**env, **extra[name], **settings_env(instance=i)},
-                                 python=python)
+                self.procs.spawn(name, i, {**env, **extra[name], **self._login(name),
+                                           **settings_env(instance=i)}, python=python)
 
     # -- running
 
@@ -197,6 +223,7 @@ def demo_command(args: argparse.Namespace) -> int:
         engine=args.engine,
         size=args.size or ("h64" if args.engine == "vllm" else "tiny"),
         vllm_python=_vllm_python(args) if args.engine == "vllm" else None,
+        secure=args.secure,
     )
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,

@@ -16,7 +16,7 @@ import logging
 import math
 from typing import Any
 
-from rlbus import plugins, telemetry
+from rlbus import acl, plugins, telemetry
 from rlbus.limits import check_identity, check_trajectory
 from rlbus.messages import ScoredTrajectory, Trajectory
 from rlbus.reward.pool import VerifierFailed, VerifierPool
@@ -46,11 +46,15 @@ class Reward(Service[RewardSettings]):
         for kind in ("task", "verifier"):
             log.info("%ss: %s", kind, ", ".join(plugins.check_all(kind)))
         self.pool.start()
-        txn_id = self.settings.transactional_id or f"{self.settings.topics.prefix}.{self.member}"
+        [txn_id] = self.transactional_ids()
         self.producer: Producer = await self.bus.producer(transactional_id=txn_id)
         self.trajectories: Consumer[Trajectory] = await self.bus.consumer(
             [self.topics.trajectories], Trajectory, group_id=self.group
         )
+
+    def transactional_ids(self) -> list[str]:
+        prefix = self.settings.topics.prefix
+        return [self.settings.transactional_id or acl.transactional_id(prefix, self.member)]
 
     async def main(self) -> None:
         while not self.stopping:

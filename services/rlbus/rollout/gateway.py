@@ -1,12 +1,15 @@
-"""The OpenAI-compatible gateway: existing agent code, trained with exact tokens.
+"""The gateway: existing agent code (OpenAI or Anthropic clients), trained with exact tokens.
 
-The rollout tier serves ``/v1/chat/completions`` and ``/v1/models`` (FastAPI on uvicorn, in
-the rollout process; the routes are :mod:`.gateway_app`). A session is one episode
-(:mod:`.sessions`); its id is in the path of the ``base_url`` the agent gets
-(``http://host:port/s/<session>/v1``) and is also its API key, so a client that only lets
-you set a key works against ``http://host:port/v1`` too. Every chat completion becomes a
-StepRequest over Kafka like any other turn, so batching, the staleness gate, tracing and
-fault handling are the rollout tier's.
+The rollout tier serves OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(:mod:`.gateway_responses`), Anthropic's ``POST /v1/messages`` (:mod:`.gateway_anthropic`)
+and ``GET /v1/models`` (FastAPI on uvicorn, in the rollout process and on its event loop;
+the routes are :mod:`.gateway_app`). A session is one episode (:mod:`.sessions`); its id is
+in the path of the ``base_url`` the agent gets (``http://host:port/s/<session>/v1``) and is
+also its API key, so a client that only lets you set a key works against
+``http://host:port/v1`` too. A Responses or Messages call is translated to the chat request
+for the same conversation, so every call of every route is one chat completion of the
+session: a StepRequest over Kafka like any other turn, so batching, the staleness gate,
+tracing and fault handling are the rollout tier's.
 """
 
 from __future__ import annotations

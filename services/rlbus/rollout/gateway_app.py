@@ -1,7 +1,16 @@
-"""The gateway's HTTP surface (FastAPI): routes, authentication by session, OpenAI-style
-errors, server-sent events. Every failure is an ``{"error": {...}}`` body with a 4xx
-status, never a 500 or a hung connection: malformed JSON and unknown fields are 400, an
-unknown session 401, an unknown model 404, a second concurrent call of one session 409.
+"""The gateway's HTTP surface (FastAPI): the routes (OpenAI's ``/v1/chat/completions``,
+``/v1/responses`` and ``/v1/models``, Anthropic's ``/v1/messages``, each also under
+``/s/<session>``), authentication by session, errors, server-sent events.
+
+Every refusal is a body with a 4xx status, never a hung connection: malformed JSON and
+unknown fields are 400, an unknown session 401, an unknown model 404, a second concurrent
+call of one session 409. The chat and Responses routes answer in OpenAI's shape
+(``{"error": {...}}``); the Messages route catches its own :class:`GatewayError` and
+answers in Anthropic's (``{"type": "error", "error": {...}}``,
+:func:`gateway_anthropic.error_response`). The app's generic handlers answer in OpenAI's
+shape on every path, ``/v1/messages`` ones included: an unknown path (404 ``not_found``,
+e.g. ``/v1/messages/count_tokens``), a wrong method (405 ``method_not_allowed``), and a
+bug (500 of type ``server_error``, still a body).
 
 A client that disconnects mid-call cancels that call's generation: nothing of it is
 recorded, what was recorded before stays, and the session goes on (a client that retries

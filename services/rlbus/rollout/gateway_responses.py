@@ -15,7 +15,8 @@ Stored conversations: the session keeps, by response id, the items of the conver
 (those of its ``previous_response_id``, its input, its output), so a request naming it
 continues it. ``store: false`` keeps nothing. They end with the session. As on OpenAI,
 ``instructions`` is not carried over: each request sends its own (and if it changed, the
-history no longer renders to the recorded tokens: ``context_diverged``).
+history no longer renders to the recorded tokens: the call starts a new segment, or in
+``strict`` mode gets ``context_diverged``).
 
 Streaming: the generation is not token-streamed over Kafka, so the events are emitted once
 the completion is back, after the turn is recorded and the response stored; a client that

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 import zlib
+from collections import OrderedDict
 from typing import Any, Literal
 
 from rlbus import plugins, telemetry
@@ -38,6 +39,11 @@ from rlbus.service import Service
 from rlbus.transport import Bus, Consumer, Delivery, MessageTooLargeError, Producer
 
 log = logging.getLogger(__name__)
+
+
+FINISHED_KEPT = 100_000
+"""Ids of finished requests remembered to tell a late duplicate answer from one to a
+request never sent."""
 
 
 class EpisodeFailed(RefusedError, RuntimeError):
@@ -133,6 +139,9 @@ class Rollout(Service[RolloutSettings]):
             else default_reply_partition(settings.instance, settings.topics.result_partitions)
         )
         self._pending: dict[str, asyncio.Future[StepResult]] = {}
+        # ids of requests answered or given up lately: a later answer is a duplicate; one
+        # to an id neither pending nor here was never asked for by this instance
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._groups: set[asyncio.Task[None]] = set()
         self._episode_slots = asyncio.Semaphore(settings.max_concurrent_episodes)
         self.gateway: Gateway | None = None  # started in setup for a ChatAgent
@@ -372,16 +381,31 @@ class Rollout(Service[RolloutSettings]):
             )
         finally:
             self._pending.pop(request.request_id, None)
+            self._finished[request.request_id] = None
+            if len(self._finished) > FINISHED_KEPT:
+                self._finished.popitem(last=False)
 
     async def _read_replies(self) -> None:
         # on through the drain: the episodes it lets finish still wait for their answers
         while not self.stopping or self._groups:
             for d in await self.replies.poll(0.5):
                 future = self._pending.get(d.message.request_id)
-                if future is None or future.done():
-                    self.bump("duplicate_replies")  # a re-send answered twice, or not ours
-                else:
+                if future is not None and not future.done():
                     future.set_result(d.message)
+                elif future is not None or d.message.request_id in self._finished:
+                    self.bump("duplicate_replies")  # a re-sent request answered twice
+                else:
+                    self._unsolicited(d)
+
+    def _unsolicited(self, d: Delivery[StepResult]) -> None:
+        """An answer to a request this instance never sent (a forged one, or a member with
+        the same reply partition): dropped, counted, and logged now and then."""
+        self.bump("unsolicited_replies")
+        n = self.counters["unsolicited_replies"]
+        if n == 1 or n % 1000 == 0:
+            log.warning("dropped %d answer(s) to requests this instance never sent, e.g. "
+                        "%r at %s[%d]@%d", n, d.message.request_id[:200], d.topic, d.partition,
+                        d.offset)
 
     async def drain(self) -> None:
         """Finish what can finish in time; the rest is redelivered to another member."""

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 class GatewayCode(StrEnum):
-    """Why the gateway refused a call: the ``code`` of its OpenAI-style error answer."""
+    """Why the gateway refused a call: the ``code`` of its OpenAI-style error answer
+    (``error.details.error_code`` in the Messages route's Anthropic-style one)."""
 
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MODEL_NOT_FOUND = "model_not_found"
@@ -58,7 +59,8 @@ class GatewayCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     CONTEXT_DIVERGED = "context_diverged"
-    """The history no longer renders to the tokens the model saw: the episode fails."""
+    """``strict`` mode: the history no longer renders to the tokens the model saw, and the
+    episode fails (``segments`` mode starts a new segment instead)."""
     SESSION_FAILED = "session_failed"
     CONCURRENT_CALL = "concurrent_call"
     """Another call of the session is running: the only code worth retrying."""
@@ -73,7 +75,8 @@ ErrorKind = Literal["invalid_request_error", "authentication_error", "server_err
 
 
 class GatewayError(RlbusError):
-    """An OpenAI-style error answer: HTTP status, message, type, code, param. A call
+    """An error answer: HTTP status, message, type, code, param; :meth:`body` is OpenAI's
+    shape (the Messages route renders Anthropic's, :mod:`.gateway_anthropic`). A call
     without a ``code`` is malformed in a way OpenAI gives no code for either (bad JSON, an
     invalid field)."""
 

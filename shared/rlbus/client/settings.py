@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlbus.acl import group_name
 from rlbus.limits import Limits
 from rlbus.settings import KafkaSettings, TopicSettings
 
@@ -59,4 +60,4 @@ class ClientSettings(BaseModel):
 
     @property
     def consumer_group(self) -> str:
-        return self.group or f"{self.topics.prefix}.learner"
+        return self.group or group_name(self.topics.prefix, "learner")

@@ -27,12 +27,14 @@ async def explain_connect_failure(kafka: KafkaSettings, options: dict[str, Any])
     except SaslAuthenticationFailed as exc:
         return (
             f"{where}: authentication failed for user {kafka.sasl_username!r} with "
-            f"{kafka.sasl_mechanism}; check RLBUS_KAFKA__SASL_USERNAME/SASL_PASSWORD ({exc})"
+            f"{kafka.sasl_mechanism}; check RLBUS_KAFKA__SASL_USERNAME and "
+            f"SASL_PASSWORD or SASL_PASSWORD_FILE ({exc})"
         )
     except UnsupportedSaslMechanismError as exc:
         return f"{where} does not accept SASL mechanism {kafka.sasl_mechanism} ({exc})"
     except ssl.SSLError as exc:
-        return f"TLS to {where} failed: {exc}; check RLBUS_KAFKA__SSL_CAFILE"
+        return (f"TLS to {where} failed: {exc}; the broker's certificate must be current, "
+                "name this host and be signed by the CA in RLBUS_KAFKA__SSL_CAFILE")
     except ConnectionRefusedError:
         return f"nothing listens at {host}:{port}; is the broker running?"
     except (OSError, TimeoutError, Exception) as exc:

@@ -34,6 +34,7 @@ from rlbus.codec import decode, encode
 from rlbus.errors import (
     BrokerTimeout,
     DecodeError,
+    FatalError,
     MessageTooLargeError,
     Refusal,
     failure_reason,
@@ -336,14 +337,16 @@ class Consumer(ABC, Generic[M]):
         offset moves on and the service goes on. Work that finishes normally acks as it always does.
         While ``hand_back()`` is true (a service draining) the exception propagates instead
         and the delivery stays unacked: the next owner of the partition handles it again.
-        Cancellation always propagates. If the dead letter cannot be written (the broker is
-        gone), that error propagates: the caller stops rather than drop the delivery.
+        Cancellation and a :class:`~rlbus.errors.FatalError` (the broker refuses this
+        principal a right it needs) always propagate. If the dead letter cannot be written
+        (the broker is gone), that error propagates: the caller stops rather than drop the
+        delivery.
         ``ack=False``: dead-lettered, it is left for the caller to ack (:meth:`reject`)."""
         outcome = Outcome()
         try:
             yield outcome
         except Exception as exc:
-            if hand_back():
+            if hand_back() or isinstance(exc, FatalError):  # not the message's fault
                 raise
             log.error("handling %s[%d]@%d failed", delivery.topic, delivery.partition,
                       delivery.offset, exc_info=exc)

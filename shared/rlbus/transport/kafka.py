@@ -10,16 +10,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import CommitFailedError, KafkaConnectionError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    KafkaConnectionError,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+)
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
-from rlbus.errors import BrokerConnectError, BrokerTimeout
+from rlbus.errors import AccessDeniedError, BrokerConnectError, BrokerTimeout
 from rlbus.settings import KafkaSettings
 from rlbus.transport.deadletter import sink_of
 from rlbus.transport.diagnostics import explain_connect_failure
@@ -58,22 +65,63 @@ def client_options(kafka: KafkaSettings) -> dict[str, Any]:
             keyfile=str(kafka.ssl_keyfile) if kafka.ssl_keyfile else None,
         )
     if kafka.security_protocol.startswith("SASL_"):
-        assert kafka.sasl_password is not None  # settings validation guarantees it
         opts["sasl_mechanism"] = kafka.sasl_mechanism
         opts["sasl_plain_username"] = kafka.sasl_username
-        opts["sasl_plain_password"] = kafka.sasl_password.get_secret_value()
+        opts["sasl_plain_password"] = kafka.password()
     return opts
 
 
-async def start_client(client: Any, kafka: KafkaSettings, what: str) -> None:
-    """Start an aiokafka client; on failure close it and raise a clear BrokerConnectError."""
+_REFUSALS: dict[type[Exception], tuple[str | None, str]] = {
+    # aiokafka's error → (operation, or None: the caller's on topics; resource kind)
+    TopicAuthorizationFailedError: (None, "topic"),
+    GroupAuthorizationFailedError: ("READ", "group"),
+    TransactionalIdAuthorizationFailed: ("WRITE", "transactional id"),
+    ClusterAuthorizationFailedError: (None, "the cluster"),
+}
+_AUTHORIZATION_ERRORS = tuple(_REFUSALS)
+
+
+def access_denied(exc: Exception, kafka: KafkaSettings | None,
+                  operation: str) -> AccessDeniedError:
+    """The broker's refusal ``exc`` (an aiokafka authorization error) in one line that
+    names the principal, the operation (``operation`` on a topic) and the resource."""
+    op, kind = _REFUSALS.get(type(exc), (None, "resource"))
+    named = exc.args[0] if exc.args else None  # aiokafka gives a name, or a set of them
+    names = [named] if isinstance(named, str) else sorted(map(str, named or ()))
+    name = "".join(f" {n!r}" for n in names[:3])
+    user = f"user {kafka.sasl_username!r}" if kafka and kafka.sasl_username else "this client"
+    return AccessDeniedError(
+        f"the broker does not allow {user} {op or operation} on {kind}{name}; "
+        "is the role right, and its ACLs applied (`rlbus acl apply`, docs/security.md)?")
+
+
+@contextlib.contextmanager
+def refusals(kafka: KafkaSettings | None, operation: str) -> Iterator[None]:
+    """Turn the broker's authorization refusals inside into :class:`AccessDeniedError`
+    (``operation``: what a topic refusal refused, e.g. WRITE for a send)."""
     try:
-        await with_timeout(client.start(), kafka.request_timeout_s, what)
+        yield
+    except _AUTHORIZATION_ERRORS as exc:
+        raise access_denied(exc, kafka, operation) from exc
+
+
+async def start_client(client: Any, kafka: KafkaSettings, what: str,
+                       operation: str = "DESCRIBE") -> None:
+    """Start an aiokafka client; on failure close it and raise a clear BrokerConnectError,
+    or an :class:`AccessDeniedError` if the broker refuses what starting it does (join a
+    group, take a transactional id: ``operation`` on a topic)."""
+    try:
+        with refusals(kafka, operation):
+            await with_timeout(client.start(), kafka.request_timeout_s, what)
     except (KafkaConnectionError, BrokerTimeout) as exc:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(_close(client), 5)
         reason = await explain_connect_failure(kafka, client_options(kafka))
         raise BrokerConnectError(reason) from exc
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_close(client), 5)
+        raise
 
 
 async def _close(client: Any) -> None:
@@ -96,9 +144,11 @@ def _headers_in(headers: Headers | None) -> list[tuple[str, bytes]] | None:
 
 
 class KafkaProducer(Producer):
-    def __init__(self, producer: Any, timeout_s: float) -> None:
+    def __init__(self, producer: Any, timeout_s: float,
+                 kafka: KafkaSettings | None = None) -> None:
         self._p = producer
         self._timeout = timeout_s
+        self._kafka = kafka  # whose refusals are reported (None: "this client")
 
     async def send_raw(
         self,
@@ -109,30 +159,35 @@ class KafkaProducer(Producer):
         partition: int | None = None,
         headers: Headers | None = None,
     ) -> tuple[int, int]:
-        fut = await with_timeout(
-            self._p.send(topic, value, key=key, partition=partition, headers=_headers_in(headers)),
-            self._timeout,
-            f"send to {topic}",
-        )
-        meta = await with_timeout(fut, self._timeout, f"ack from {topic}")
+        with refusals(self._kafka, "WRITE"):
+            fut = await with_timeout(
+                self._p.send(topic, value, key=key, partition=partition,
+                             headers=_headers_in(headers)),
+                self._timeout,
+                f"send to {topic}",
+            )
+            meta = await with_timeout(fut, self._timeout, f"ack from {topic}")
         return meta.partition, meta.offset
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
-        await with_timeout(self._p.begin_transaction(), self._timeout, "begin transaction")
+        with refusals(self._kafka, "WRITE"):
+            await with_timeout(self._p.begin_transaction(), self._timeout, "begin transaction")
         try:
             yield
         except BaseException:
             with contextlib.suppress(Exception):
                 await with_timeout(self._p.abort_transaction(), self._timeout, "abort")
             raise
-        await with_timeout(self._p.commit_transaction(), self._timeout, "commit transaction")
+        with refusals(self._kafka, "WRITE"):
+            await with_timeout(self._p.commit_transaction(), self._timeout,
+                               "commit transaction")
 
     async def send_offsets(self, offsets: dict[TP, int], group_id: str) -> None:
         tps = {TopicPartition(t, p): o for (t, p), o in offsets.items()}
-        await with_timeout(
-            self._p.send_offsets_to_transaction(tps, group_id), self._timeout, "send offsets"
-        )
+        with refusals(self._kafka, "READ"):
+            await with_timeout(self._p.send_offsets_to_transaction(tps, group_id),
+                               self._timeout, "send offsets")
 
     async def close(self) -> None:
         self.closed = True
@@ -162,18 +217,21 @@ async def _stop_client(stop: Awaitable[None], timeout_s: float, what: str) -> No
 
 class KafkaConsumer(Consumer[M]):
     def __init__(
-        self, consumer: Any, message_type: type[M], dlq: DeadLetters | None, timeout_s: float
+        self, consumer: Any, message_type: type[M], dlq: DeadLetters | None, timeout_s: float,
+        kafka: KafkaSettings | None = None,
     ) -> None:
         super().__init__(message_type, dlq)
         self._c = consumer
         self._timeout = timeout_s
+        self._kafka = kafka  # whose refusals are reported (None: "this client")
 
     async def _fetch(self, timeout_s: float, max_records: int) -> list[RawRecord]:
-        batches = await with_timeout(
-            self._c.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records),
-            timeout_s + self._timeout,
-            "fetch",
-        )
+        with refusals(self._kafka, "READ"):
+            batches = await with_timeout(
+                self._c.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records),
+                timeout_s + self._timeout,
+                "fetch",
+            )
         return [
             RawRecord(
                 r.topic, r.partition, r.offset, r.key, r.value, dict(r.headers or ()), r.timestamp
@@ -199,7 +257,8 @@ class KafkaConsumer(Consumer[M]):
         if not tps:
             return {}
         try:
-            await with_timeout(self._c.commit(tps), self._timeout, "commit")
+            with refusals(self._kafka, "READ"):
+                await with_timeout(self._c.commit(tps), self._timeout, "commit")
         except CommitFailedError as exc:
             # The group rebalanced under us; the new owner re-reads from the last commit,
             # and ids let it drop what we already finished.
@@ -287,8 +346,8 @@ class KafkaBus(Bus):
             # linger added ~1.7 ms to every step round trip (loadtest overhead scenario)
             linger_ms=0,
         )
-        await start_client(p, self.kafka, "producer connect")
-        prod = KafkaProducer(p, self.kafka.request_timeout_s)
+        await start_client(p, self.kafka, "producer connect", "WRITE")
+        prod = KafkaProducer(p, self.kafka.request_timeout_s, self.kafka)
         prod.service, prod.max_message_bytes = self.service, self.max_message_bytes
         self._keep(prod)
         return prod
@@ -314,9 +373,8 @@ class KafkaBus(Bus):
             fetch_max_bytes=max(_DEFAULT_FETCH_MAX_BYTES, self.max_message_bytes + FRAMING_BYTES),
         )
         # made before the client starts: the group may assign partitions while it starts
-        consumer = KafkaConsumer(
-            c, message_type, await sink_of(self), self.kafka.request_timeout_s
-        )
+        consumer = KafkaConsumer(c, message_type, await sink_of(self),
+                                 self.kafka.request_timeout_s, self.kafka)
         consumer.service, consumer.group = self.service, group_id
         consumer.limits = self.limits
         listener = _Listener(on_assign)
@@ -325,7 +383,7 @@ class KafkaBus(Bus):
             c.assign([TopicPartition(t, p) for t, p in assign])
         else:
             c.subscribe(topics, listener=listener)
-        await start_client(c, self.kafka, "consumer connect")
+        await start_client(c, self.kafka, "consumer connect", "READ")
         track(consumer)
         self._keep(consumer)
         if assign is not None and on_assign is not None:

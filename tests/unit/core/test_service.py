@@ -103,3 +103,4 @@ def test_services_run_on_uvloop_unless_told_otherwise():
     assert RewardSettings().event_loop == "uvloop"
     assert loop_factory("uvloop") is uvloop.new_event_loop
     assert loop_factory("asyncio") is None  # asyncio's default loop
+    assert loop_factory("uvloop", tls=True) is None  # its TLS close can stall for 30 s

@@ -239,3 +239,56 @@ def test_a_section_of_another_class_is_refused():
 
     with pytest.raises(TypeError, match="synthetic: a LoadTestEngine is not the synthetic"):
         settings.settings_env(synthetic=LoadTestEngine())
+
+
+# -- secrets: read from a file, never shown
+
+
+SECRET = "hunter2-correct-horse"
+
+
+def _sasl(**changes: Any) -> dict[str, Any]:
+    return {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": "rollout", **changes}
+
+
+def test_the_password_comes_from_its_file(tmp_path):
+    (tmp_path / "pw").write_text(SECRET + "\n")
+    kafka = KafkaSettings(**_sasl(sasl_password_file=tmp_path / "pw"))
+    assert kafka.password() == SECRET
+    from rlbus.transport import client_options
+
+    assert client_options(kafka)["sasl_plain_password"] == SECRET
+
+
+@pytest.mark.parametrize(("content", "error"), [(None, "cannot read"), ("\n", "is empty")])
+def test_an_unreadable_or_empty_password_file_fails_at_start(tmp_path, content, error):
+    if content is not None:
+        (tmp_path / "pw").write_text(content)
+    with pytest.raises(ValidationError, match=error):
+        KafkaSettings(**_sasl(sasl_password_file=tmp_path / "pw"))
+
+
+def test_sasl_without_a_password_names_both_ways_to_give_one():
+    with pytest.raises(ValidationError, match="sasl_password or sasl_password_file"):
+        KafkaSettings(**_sasl())
+
+
+def test_a_secret_is_in_no_repr_and_no_validation_error(env):
+    kafka = KafkaSettings(**_sasl(sasl_password=SECRET))
+    settings_ = RewardSettings(kafka=kafka)
+    shown = [repr(kafka), str(kafka), repr(settings_), str(settings_),
+             settings_.model_dump_json(), str(settings_.model_dump(mode="json"))]
+    assert not [s for s in shown if SECRET in s]
+    # a rejected section is not quoted back: pydantic would show the whole input
+    bad = [{**_sasl(sasl_password=SECRET), "request_timeout_s": "soon"},
+           {**_sasl(sasl_password=SECRET), "sasl_pasword": SECRET}]
+    for section in bad:
+        with pytest.raises(ValidationError) as caught:
+            RewardSettings(kafka=section)
+        assert SECRET not in str(caught.value)
+    env(RLBUS_KAFKA__SECURITY_PROTOCOL="SASL_SSL", RLBUS_KAFKA__SASL_USERNAME="u",
+        RLBUS_KAFKA__SASL_PASSWORD=SECRET)  # no mechanism: refused
+    with pytest.raises(ValidationError) as caught:
+        RewardSettings()
+    assert SECRET not in str(caught.value)

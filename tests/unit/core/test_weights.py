@@ -41,3 +41,22 @@ def test_weight_store_keeps_the_newest_versions(tmp_path):
     for v in range(1, 6):
         save_weights(model, tmp_path, version=v, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000004", "v000005"]
+
+
+def test_only_uris_inside_the_weight_store_are_accepted(tmp_path):
+    from rlbus.weights import WeightsOutsideStoreError, inside_store
+
+    store = tmp_path / "weights"
+    (store / "v000001").mkdir(parents=True)
+    (store / "v000001" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "model.safetensors").write_bytes(b"x")
+    (store / "v000002").symlink_to(tmp_path / "elsewhere")
+    inside = store / "v000001"
+    assert inside_store(str(inside), store) == inside / "model.safetensors"
+    assert inside_store(f"file://{inside}", store) == inside / "model.safetensors"
+    for uri in (str(tmp_path / "elsewhere"), f"{store}/../elsewhere", str(store / "v000002"),
+                "/etc/passwd", "http://attacker.example/model.safetensors", "s3://b/w"):
+        with pytest.raises(WeightsOutsideStoreError, match="weight store") as caught:
+            inside_store(uri, store)
+        assert caught.value.refusal.reason == "invalid"

@@ -139,3 +139,21 @@ def test_a_checkpoint_holds_the_clients_position_in_its_own_fields(tmp_path: Pat
     assert back.offsets == {("ck.trajectories.scored", 0): 12, ("ck.trajectories.scored", 1): 7}
     assert back.position("ck.trajectories.scored") == position
     assert back.position("other.trajectories.scored").offsets == {}
+
+
+class _RunsCode:
+    """Unpickling this calls a function of the file's choosing: what a tampered checkpoint
+    would do to a reader that trusts pickle."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (Path.touch, (str(_RunsCode.marker),))
+
+    marker = Path()
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_none(tmp_path: Path) -> None:
+    _RunsCode.marker = tmp_path / "pwned"
+    torch.save({**fields(), "model": _RunsCode()}, tmp_path / CHECKPOINT)
+    with pytest.raises(CheckpointError, match=CHECKPOINT):
+        load_checkpoint(tmp_path)
+    assert not _RunsCode.marker.exists()

@@ -88,3 +88,16 @@ def test_unreachable_broker_is_a_clear_error_not_a_hang():
 
     with pytest.raises(BrokerConnectError, match=r"nothing listens at 127.0.0.1:1"):
         asyncio.run(start())
+
+
+def test_acl_dry_run_prints_the_rows_without_connecting(monkeypatch, capsys):
+    monkeypatch.setenv("RLBUS_TOPICS__PREFIX", "dry")
+    monkeypatch.setenv("RLBUS_KAFKA__BOOTSTRAP", "127.0.0.1:1")  # nothing listens there
+    from rlbus.ops.cli import main
+
+    assert main(["acl", "apply", "--dry-run", "--principal", "rollout=svc-r"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "User:svc-r       WRITE    TOPIC            LITERAL  dry.trajectories" in lines
+    assert "User:reward      WRITE    TRANSACTIONAL_ID PREFIXED dry.reward-" in lines
+    with pytest.raises(SystemExit, match="expected ROLE=USER"):
+        main(["acl", "apply", "--dry-run", "--principal", "admin=root"])

@@ -270,7 +270,7 @@ class LocalCluster:
     ``format_args`` are added to ``StorageTool format`` (e.g. ``--add-scram``: in KRaft, SCRAM
     users needed by the brokers themselves must exist before the first start);
     ``client_options`` are the aiokafka security arguments of the readiness check, for
-    clusters whose broker listener is not PLAINTEXT (see tests/support/secure_broker.py).
+    clusters whose broker listener is not PLAINTEXT (see :mod:`rlbus.ops.broker.secure`).
     """
 
     def __init__(
@@ -457,6 +457,7 @@ class LocalCluster:
     def _format(self, node: _Node) -> subprocess.Popen[str]:
         shutil.rmtree(node.home, ignore_errors=True)
         node.logs.mkdir(parents=True)
+        node.config.touch(mode=0o600)  # may hold a SCRAM password (ops/broker/secure.py)
         node.config.write_text(_properties(node, self._nodes, self.overrides))
         (node.home / "log4j2.properties").write_text(_LOG4J2)
         cmd = [*self._jvm(node, 256), "kafka.tools.StorageTool", "format"]

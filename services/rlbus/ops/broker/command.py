@@ -39,7 +39,7 @@ def _load_state() -> dict[str, Any] | None:
     return state
 
 
-def _save_state(cluster: LocalCluster) -> None:
+def _save_state(cluster: LocalCluster, credentials: Path | None = None) -> None:
     nodes = [
         {"node_id": n.node_id, "pid": n.proc.pid if n.proc else None, "port": n.port,
          "controller_port": n.controller_port, "config": str(n.config)}
@@ -49,6 +49,7 @@ def _save_state(cluster: LocalCluster) -> None:
         "bootstrap": cluster.bootstrap, "kafka_version": cluster.version,
         "data_dir": str(cluster.data_dir), "started_at": time.time(),
         "startup_seconds": cluster.startup_seconds, "nodes": nodes,
+        "credentials": str(credentials) if credentials else None,
     }  # fmt: skip
     tmp = _state_file().with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
@@ -78,18 +79,20 @@ def _live_nodes(state: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [n for n in state["nodes"] if _pid_is_node(n["pid"], n["config"])]
 
 
-def _cmd_start(nodes: int, port: int | None) -> int:
+def _cmd_start(nodes: int, port: int | None, secure: bool = False) -> int:
     state = _load_state()
     if state is not None and _live_nodes(state):
         print(state["bootstrap"])
         print("rlbus broker: already running", file=sys.stderr)
         return 0
     state_dir().mkdir(parents=True, exist_ok=True)
+    base = DEFAULT_CLI_PORT if port is None else port
+    if secure:
+        return _start_secure(nodes, base)
     # Each start is a fresh, empty cluster: dev data is disposable and a reformat avoids
     # stale quorum state when the node count or ports change.
     data = state_dir() / "cluster"
     shutil.rmtree(data, ignore_errors=True)
-    base = DEFAULT_CLI_PORT if port is None else port
     cluster = LocalCluster(nodes=nodes, data_dir=data, base_port=base, die_with_parent=False)
     cluster.start()
     _save_state(cluster)
@@ -98,6 +101,33 @@ def _cmd_start(nodes: int, port: int | None) -> int:
     print(
         f"rlbus broker: {nodes} node(s) up in {cluster.startup_seconds:.1f} s; "
         f"logs in {data}; stop with `rlbus broker stop`",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _start_secure(nodes: int, base: int) -> int:
+    """One node with SASL_SSL, a SCRAM user per role and ACLs enforced; each role's
+    settings (no secret in them: the passwords stay in their files) in ``<role>.env``."""
+    from rlbus.acl import Role
+    from rlbus.ops.broker.secure import SecureCluster
+
+    if nodes != 1:
+        raise BrokerError("--secure runs one node")
+    root = state_dir() / "secure"
+    shutil.rmtree(root, ignore_errors=True)
+    secure = SecureCluster(data_dir=root, base_port=base, die_with_parent=False).start()
+    creds = secure.credentials
+    for role in Role:
+        (creds.folder / f"{role}.env").write_text(creds.env_lines(secure.bootstrap, role))
+    _save_state(secure.cluster, creds.folder)
+    secure.detach()
+    print(secure.bootstrap)
+    print(
+        f"rlbus broker: 1 secured node (SASL_SSL, SCRAM-SHA-512, ACLs) up in "
+        f"{secure.cluster.startup_seconds:.1f} s; each role's settings: `source "
+        f"{creds.folder}/<role>.env` (admin, rollout, inference, reward, learner); as admin, "
+        "`rlbus topics create` then `rlbus acl apply`; stop with `rlbus broker stop`",
         file=sys.stderr,
     )
     return 0
@@ -128,6 +158,8 @@ def _cmd_status() -> int:
         print("rlbus broker: not running")
         return 1
     print(state["bootstrap"])
+    if state.get("credentials"):
+        print(f"secured: each role's settings in {state['credentials']}/<role>.env")
     healthy = True
     for node in state["nodes"]:
         alive = _pid_is_node(node["pid"], node["config"])
@@ -148,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start in the background and print the bootstrap address")
     start.add_argument("--nodes", type=int, choices=(1, 3), default=1)
     start.add_argument(
+        "--secure", action="store_true",
+        help="SASL_SSL with a SCRAM user per role, ACLs enforced (docs/security.md)",
+    )  # fmt: skip
+    start.add_argument(
         "--port", type=int, default=None,
         help=f"first broker port (default {DEFAULT_CLI_PORT}); node i uses P+2i and P+2i+1",
     )  # fmt: skip
@@ -166,7 +202,7 @@ def main(argv: Sequence[str]) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.command == "start":
-            return _cmd_start(args.nodes, args.port)
+            return _cmd_start(args.nodes, args.port, args.secure)
         if args.command == "stop":
             return _cmd_stop()
         return _cmd_status()

@@ -1,0 +1,55 @@
+"""Inference loads a published version only from the weight store; any other uri is a dead
+letter with the reason, and the weights it serves do not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlbus.inference.engine import Completion, Engine
+from rlbus.inference.service import Inference
+from rlbus.inference.settings import InferenceSettings
+from rlbus.messages import DeadLetter, Sampling, WeightVersion
+from rlbus.settings import TopicSettings
+from rlbus.topics import Topics, memory_broker
+from rlbus.transport import MemoryBus
+from tests.support.services import read_log, run_until
+
+TOPICS = TopicSettings(prefix="wv", partitions=1, result_partitions=1)
+T = Topics(TOPICS)
+
+
+class RecordingEngine(Engine):
+    """Loads nothing; remembers what it was asked to load."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        return [Completion([1], [0.0], "stop") for _ in prompts]
+
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        self.loaded.append(uri)
+        self.version = version
+
+
+async def test_a_version_outside_the_weight_store_is_dead_lettered(tmp_path: Path) -> None:
+    store = tmp_path / "weights"
+    broker = memory_broker(TOPICS)
+    bus = MemoryBus(broker, dlq_topic=T.dlq)
+    producer = await bus.producer()
+    outside = WeightVersion(model="policy", version=5, uri=str(tmp_path / "evil"), checksum="x",
+                            step=5)
+    inside = WeightVersion(model="policy", version=1, uri=str(store / "v000001"), checksum="y",
+                           step=1)
+    for w in (outside, inside):
+        await producer.send(T.weights, w, key="policy")
+    engine = RecordingEngine()
+    inference = Inference(InferenceSettings(topics=TOPICS, weights_dir=store), bus, engine)
+
+    await run_until([inference], lambda: engine.version == 1 and bool(broker.logs.get(T.dlq)))
+
+    assert engine.loaded == [inside.uri]  # the newer, outside version was never tried
+    [letter] = read_log(broker, T.dlq, DeadLetter)
+    assert letter.source_topic == T.weights
+    assert letter.reason == "invalid" and "outside the weight store" in letter.error
+    assert inference.counters["weights_outside_store"] == 1
