@@ -270,27 +270,21 @@ class Session:
         :class:`Diverged` saying why where it does not extend that history."""
         if tools != self.tools:
             raise Diverged("the tools differ from the session's first call")
-        last = max((i for i, m in enumerate(req.messages) if m.get("role") == "assistant"),
-                   default=None)
-        if last is None:
-            raise Diverged("the messages do not contain the session's last reply")
-        base = self.render(req.messages[: last + 1], req.tools, generation_prompt=False)
-        if not full.startswith(base):
-            raise Diverged("the template renders the history differently once more "
-                           "messages follow it")
-        end = base.rfind(self.eos_text)
-        if end < 0:
-            raise Diverged("the rendered history has no end-of-turn token")
-        finished = self.ids[-1] == self.tokenizer.eos_token_id
-        cut = end + (len(self.eos_text) if finished else 0)
+        # The text of the recorded ids must begin the rendering and the new ids are the
+        # rest: one rendering per call, as the template is most of the gateway's own cost
+        # and grows with the history.
         seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        if seen != base[:cut]:
-            at = next((i for i, (a, b) in enumerate(zip(seen, base, strict=False)) if a != b),
-                      min(len(seen), cut))
+        if not full.startswith(seen):
+            at = next((i for i, (a, b) in enumerate(zip(seen, full, strict=False)) if a != b),
+                      min(len(seen), len(full)))
             raise Diverged(f"the history renders to other text than the tokens the model "
                            f"saw, from character {at}: saw {seen[at:at + 40]!r}, template "
-                           f"gives {base[at:at + 40]!r}")
-        return list(self.tokenizer.encode(full[cut:], add_special_tokens=False))
+                           f"gives {full[at:at + 40]!r}")
+        if (self.ids[-1] != self.tokenizer.eos_token_id
+                and not full.startswith(self.eos_text, len(seen))):
+            raise Diverged("the last reply ended without an end-of-turn token and the "
+                           "messages go on with it")
+        return list(self.tokenizer.encode(full[len(seen):], add_special_tokens=False))
 
     def diverge(self, why: str) -> NoReturn:
         self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
