@@ -25,12 +25,12 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from rlbus.rollout import gateway_anthropic
@@ -42,6 +42,7 @@ from rlbus.rollout.sessions import (
     Session,
     json_object,
     pieces,
+    sse,
 )
 
 
@@ -182,16 +183,6 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
             raise GatewayError(499, "the client disconnected mid-call; nothing of this call "
                                     "was recorded", code=GatewayCode.CLIENT_DISCONNECTED)
     return task.result()
-
-
-def sse(events: Iterable[str]) -> StreamingResponse:
-    """Server-sent events, each already framed (``data: ...\\n\\n``)."""
-    async def each() -> AsyncIterator[str]:  # a plain iterator would cost a thread hop each
-        for event in events:
-            yield event
-
-    return StreamingResponse(each(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache"})
 
 
 def chat_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:

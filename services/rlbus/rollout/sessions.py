@@ -32,10 +32,12 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NoReturn
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlbus.api import Generation, Policy
@@ -392,6 +394,18 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 STREAM_PIECE = 16
 """Characters of text (or of a tool call's arguments) per streamed delta, on every route."""
+
+
+def sse(events: Iterable[str]) -> StreamingResponse:
+    """A streamed answer of server-sent events, each already framed (``data: ...\\n\\n``),
+    on every route. An async generator: Starlette pulls a plain iterator through its
+    thread pool, one thread hop per event."""
+    async def each() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(each(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
 
 
 def pieces(text: str) -> list[str]:
