@@ -84,6 +84,23 @@ that spans an in-flight weight update (docs/internals.md, "Partial rollouts") ha
 versions never decrease along it."""
 
 
+def _spans_shape(value: Any) -> Any:
+    """One error for a malformed spans list, at its first bad pair: pydantic's own
+    validation reports every bad element, and a hostile list of 100k makes 100k errors."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ValueError("version_spans must be a list of [version, count] pairs")
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, list | tuple) and len(pair) == 2
+                and all(type(x) is int for x in pair)):
+            raise ValueError(f"version_spans[{i}] is not a [version, count] pair of ints")
+    return [(v, c) for v, c in value]
+
+
+_SpansField = Annotated[VersionSpans | None, BeforeValidator(_spans_shape)]
+
+
 def spans_of(versions: list[int]) -> VersionSpans:
     """Run-length spans of a per-token version list."""
     out: VersionSpans = []
@@ -214,7 +231,7 @@ class StepResult(Message):
     policy_version: int = Field(ge=0)
     error: str | None = None
     replica: str = ""
-    version_spans: VersionSpans | None = None
+    version_spans: _SpansField = None
     """The version of every completion token (:data:`VersionSpans`); None: all of them
     ``policy_version`` (records from before in-flight updates stay valid)."""
 
@@ -272,7 +289,7 @@ class Turn(BaseModel):
     part of what the model saw: a new segment starts here (an agent whose history did not
     extend what it was given: trimmed, summarised, edited, retried). False in records
     written before segments existed, which are linear."""
-    version_spans: VersionSpans | None = None
+    version_spans: _SpansField = None
     """Copied from the StepResult: the version of every completion token; None: all of
     them ``policy_version``, which is otherwise their oldest."""
 

@@ -60,3 +60,11 @@ def test_a_trajectory_knows_its_oldest_and_newest_token() -> None:
     empty = t.model_copy(update={"turns": []})
     assert isinstance(empty, Trajectory)
     assert (empty.min_version, empty.max_version) == (0, 0)
+
+
+def test_a_malformed_spans_list_is_one_error_however_long() -> None:
+    with pytest.raises(ValidationError) as info:
+        result([None] * 100_000)  # type: ignore[list-item]
+    assert info.value.error_count() == 1
+    with pytest.raises(ValidationError):
+        result([(3, True), (4, 2)])  # a bool is no count
