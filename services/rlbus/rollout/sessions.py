@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
-from rlbus.messages import FinishReason, Sampling, Turn
+from rlbus.messages import FinishReason, Sampling, Turn, cut_spans
 from rlbus.rollout.settings import GatewayHistory
 from rlbus.tool_calls import find_tool_calls, without_calls
 
@@ -346,6 +346,7 @@ class Session:
             input_ids=new, completion_ids=completion, logprobs=logprobs,
             policy_version=gen.policy_version, finish_reason=finish, action=text,
             fresh_context=self.fresh,
+            version_spans=cut_spans(gen.version_spans, len(completion)),
         ))
         self.ids = context + completion
         self.tokens += len(new) + len(completion)
