@@ -188,6 +188,7 @@ def learner_env(s: Scenario, run_dir: Path) -> dict[str, str]:
         groups_per_step=s.groups_per_step,
         max_steps=s.steps,
         max_staleness=s.max_staleness,
+        staleness_from=s.staleness_from,
         straggler_wait_s=s.straggler_wait_s,
         max_new_tokens=s.max_new_tokens,
         metrics_file=run_dir / "metrics.jsonl",

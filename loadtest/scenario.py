@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,6 +77,9 @@ class Scenario(_Section):
     max_staleness: int = Field(default=2, ge=0)
     straggler_wait_s: float = Field(default=60.0, ge=0)
     """How long the learner holds a step for a group about to go stale (0: mask it)."""
+    staleness_from: Literal["oldest", "newest"] = "oldest"
+    """Which token an episode's staleness counts from (the learner's
+    ``RLBUS_STALENESS_FROM``): newest trains partial rollouts whose latest turn is recent."""
     learner_step_s: float = Field(default=0.5, ge=0)
     max_new_tokens: int = Field(default=8, ge=1)
     env: dict[str, Any] = {}

@@ -4,11 +4,14 @@ learner waiting for stragglers and with it masking them, side by side in one run
     python -m loadtest.staleness_sweep                          # long_tail, bounds 4,6,8
     python -m loadtest.staleness_sweep --bounds 2,4 --steps 24 --modes wait
     python -m loadtest.staleness_sweep --smoke --out DIR    # seconds; checks no timing
+    python -m loadtest.staleness_sweep --bounds 4 --modes mask --staleness-from oldest,newest
 
 Each combination is one :func:`loadtest.fleet.run_decoupled` run of the scenario with that
 ``max_staleness`` and ``straggler_wait_s`` (``wait``: the scenario's, 60 s by default;
 ``mask``: 0, a group that would go stale trains without waiting and its late members are
-masked). Prints one row per run: samples trained and masked (by cause), steady samples/s
+masked), with staleness counted from each episode's oldest or newest token
+(``--staleness-from``; partial rollouts, docs/internals.md). Prints one row per run:
+samples trained and masked (by cause), steady samples/s
 counting only what trained and its share of the ideal bound, the staleness of what trained,
 the learner's busy share and the seconds it held steps for stragglers. Writes
 ``sweep.json`` (every figure and the per-step rows) into ``--out``. Starts a local Kafka
@@ -34,17 +37,19 @@ def say(text: str) -> None:
 
 
 def one(scenario_name: str, bound: int, mode: str, steps: int, bootstrap: str,
-        out: Path) -> dict[str, Any]:
+        out: Path, staleness_from: str = "oldest") -> dict[str, Any]:
     base = load(scenario_name)
-    update: dict[str, Any] = {"max_staleness": bound, "steps": steps}
+    update: dict[str, Any] = {"max_staleness": bound, "steps": steps,
+                              "staleness_from": staleness_from}
     if mode == "mask":
         update["straggler_wait_s"] = 0.0
     s = base.model_copy(update=update)
     ideal = s.describe()["ideal_samples_per_s"]
-    r = run_decoupled(s, bootstrap, out / f"{bound}-{mode}")
+    r = run_decoupled(s, bootstrap, out / f"{bound}-{mode}-{staleness_from}")
     return {
         "max_staleness": bound,
         "mode": mode,
+        "staleness_from": staleness_from,
         "trained": r.samples,
         "masked": r.extra["masked"],
         "masked_by_cause": r.extra["masked_by_cause"],
@@ -65,13 +70,14 @@ def render(runs: list[dict[str, Any]]) -> str:
         share = x["masked"] / produced if produced else 0.0
         causes = x["masked_by_cause"]
         rows.append([
-            str(x["max_staleness"]), x["mode"], str(x["trained"]),
+            str(x["max_staleness"]), x["mode"], x.get("staleness_from", "oldest"),
+            str(x["trained"]),
             f"{x['masked']} ({100 * share:.1f}%)",
             f"{causes['stale']} / {causes['failed']} / {causes['invalid']}",
             f"{x['throughput']:.2f}", f"{100 * x['of_ideal']:.0f}%",
             f"{x['staleness_max']:.0f}", f"{x['learner_busy']:.2f}", f"{x['waited_s']:.1f}",
         ])
-    return report.table(["max_staleness", "stragglers", "trained", "masked",
+    return report.table(["max_staleness", "stragglers", "from", "trained", "masked",
                          "stale / failed / invalid",
                          "trained/s", "of ideal", "staleness max", "learner busy",
                          "waited s"], rows)
@@ -84,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bounds", default="4,6,8", help="max_staleness values, comma-separated")
     p.add_argument("--modes", default="wait,mask",
                    help="wait (hold the step for stragglers) and/or mask (do not wait)")
+    p.add_argument("--staleness-from", default="oldest",
+                   help="oldest and/or newest: which token an episode's staleness counts from")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--out", type=Path, help="output folder (default runs/sweep-<time>)")
     p.add_argument("--smoke", action="store_true",
@@ -96,6 +104,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--bounds: integers separated by commas, not {args.bounds!r}")
     args.modes = args.modes.split(",")
+    args.staleness_from = args.staleness_from.split(",")
+    if bad := [f for f in args.staleness_from if f not in ("oldest", "newest")]:
+        p.error(f"--staleness-from: {', '.join(bad)} is not oldest or newest")
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"--modes: {', '.join(bad)} is not one of {', '.join(MODES)}")
     try:
@@ -123,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for bound in args.bounds:
             for mode in args.modes:
-                say(f"max_staleness {bound}, {mode}")
-                results["runs"].append(one(args.scenario, bound, mode, args.steps,
-                                           bootstrap, out))
-                report.write_json(out, results, "sweep.json")  # a later failure keeps these
+                for since in args.staleness_from:
+                    say(f"max_staleness {bound}, {mode}, staleness from the {since} token")
+                    results["runs"].append(one(args.scenario, bound, mode, args.steps,
+                                               bootstrap, out, since))
+                    report.write_json(out, results, "sweep.json")  # a failure keeps these
     finally:
         if cluster is not None:
             cluster.stop()

@@ -111,6 +111,7 @@ class MultiTurnAgent(Agent):
                 completion_ids=gen.completion_ids,
                 logprobs=gen.logprobs,
                 policy_version=gen.policy_version,
+                version_spans=gen.version_spans,
                 finish_reason=gen.finish_reason,
                 action=action,
                 observation=observation,

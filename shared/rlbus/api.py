@@ -107,12 +107,15 @@ class Task(ABC):
 @dataclass(frozen=True)
 class Generation:
     """One completion: its tokens, their logprobs and the policy version that produced all
-    of them."""
+    of them (the oldest, where ``version_spans`` says an in-flight update split them)."""
 
     completion_ids: list[int]
     logprobs: list[float]
     policy_version: int
     finish_reason: FinishReason = "stop"
+    version_spans: list[tuple[int, int]] | None = None
+    """The version of every token, run-length (``rlbus.messages.VersionSpans``); None: all
+    ``policy_version``."""
 
 
 class Policy(Protocol):

@@ -76,6 +76,65 @@ def _pack(typecode: str) -> Any:
 TokenIds = Annotated[list[int], BeforeValidator(_unpack("i")), PlainSerializer(_pack("i"))]
 """Token ids; int32 bytes on the wire."""
 Logprobs = Annotated[list[float], BeforeValidator(_unpack("f")), PlainSerializer(_pack("f"))]
+
+VersionSpans = list[tuple[int, int]]
+"""The weight version of every completion token, run-length encoded: ``(version, count)``
+pairs in token order, counts summing to the number of completion tokens. A generation
+that spans an in-flight weight update (docs/internals.md, "Partial rollouts") has several;
+versions never decrease along it."""
+
+
+def _spans_shape(value: Any) -> Any:
+    """One error for a malformed spans list, at its first bad pair: pydantic's own
+    validation reports every bad element, and a hostile list of 100k makes 100k errors."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ValueError("version_spans must be a list of [version, count] pairs")
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, list | tuple) and len(pair) == 2
+                and all(type(x) is int for x in pair)):
+            raise ValueError(f"version_spans[{i}] is not a [version, count] pair of ints")
+    return [(v, c) for v, c in value]
+
+
+_SpansField = Annotated[VersionSpans | None, BeforeValidator(_spans_shape)]
+
+
+def spans_of(versions: list[int]) -> VersionSpans:
+    """Run-length spans of a per-token version list."""
+    out: VersionSpans = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+
+
+def cut_spans(spans: VersionSpans | None, n: int) -> VersionSpans | None:
+    """``spans`` of the first ``n`` tokens only (a completion cut short, e.g. at a stop
+    string); None stays None."""
+    if spans is None:
+        return None
+    out: VersionSpans = []
+    for v, count in spans:
+        take = min(count, n - sum(c for _, c in out))
+        if take <= 0:
+            break
+        out.append((v, take))
+    return out
+
+
+def _check_spans(spans: VersionSpans | None, tokens: int, policy_version: int) -> None:
+    if spans is None:
+        return
+    if any(c <= 0 or v < 0 for v, c in spans):
+        raise ValueError("version_spans need versions >= 0 and counts > 0")
+    if sum(c for _, c in spans) != tokens:
+        raise ValueError(f"version_spans cover {sum(c for _, c in spans)} tokens of {tokens}")
+    if spans and min(v for v, _ in spans) != policy_version:
+        raise ValueError("policy_version must be the oldest version of version_spans")
 """Per-token log-probabilities; float32 bytes on the wire."""
 
 
@@ -158,8 +217,10 @@ class StepResult(Message):
     """inference → the rollout instance that asked. One completion.
 
     Invariant: ``len(logprobs) == len(completion_ids)``; ``policy_version`` is the weight
-    version that produced every token. ``finish_reason == "error"`` carries ``error`` and no
-    tokens: the requester decides whether to retry or fail the episode.
+    version that produced every token, or, where ``version_spans`` is set (an in-flight
+    weight update landed during the generation), the oldest of them, and the spans say
+    which version produced which token. ``finish_reason == "error"`` carries ``error`` and
+    no tokens: the requester decides whether to retry or fail the episode.
     """
 
     request_id: str
@@ -170,10 +231,14 @@ class StepResult(Message):
     policy_version: int = Field(ge=0)
     error: str | None = None
     replica: str = ""
+    version_spans: _SpansField = None
+    """The version of every completion token (:data:`VersionSpans`); None: all of them
+    ``policy_version`` (records from before in-flight updates stay valid)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> StepResult:
         _check_aligned(self.completion_ids, self.logprobs)
+        _check_spans(self.version_spans, len(self.completion_ids), self.policy_version)
         return self
 
 
@@ -224,11 +289,30 @@ class Turn(BaseModel):
     part of what the model saw: a new segment starts here (an agent whose history did not
     extend what it was given: trimmed, summarised, edited, retried). False in records
     written before segments existed, which are linear."""
+    version_spans: _SpansField = None
+    """Copied from the StepResult: the version of every completion token; None: all of
+    them ``policy_version``, which is otherwise their oldest."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:
         _check_aligned(self.completion_ids, self.logprobs)
+        _check_spans(self.version_spans, len(self.completion_ids), self.policy_version)
         return self
+
+    @property
+    def token_versions(self) -> list[int]:
+        """The weight version that sampled each completion token."""
+        if self.version_spans is None:
+            return [self.policy_version] * len(self.completion_ids)
+        return [v for v, count in self.version_spans for _ in range(count)]
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version that sampled any of its tokens (``policy_version`` is the
+        oldest)."""
+        if not self.version_spans:
+            return self.policy_version
+        return max(v for v, _ in self.version_spans)
 
 
 class Trajectory(Message):
@@ -256,7 +340,18 @@ class Trajectory(Message):
 
     @property
     def min_version(self) -> int:
+        """The oldest weight version that sampled any of its tokens (0: no turn)."""
         return min((t.policy_version for t in self.turns), default=0)
+
+    @property
+    def max_version(self) -> int:
+        """The newest weight version that sampled any of its tokens (0: no turn)."""
+        return max((t.newest_version for t in self.turns), default=0)
+
+    def version_of_age(self, staleness_from: Literal["oldest", "newest"]) -> int:
+        """The version its staleness counts from: its oldest token's (``min_version``, the
+        default everywhere) or its newest's (``max_version``)."""
+        return self.min_version if staleness_from == "oldest" else self.max_version
 
     def failed_stand_in(self, error: str) -> Trajectory:
         """This episode as a failed one with none of its content (no turns, no spec): what a

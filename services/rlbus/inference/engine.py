@@ -7,7 +7,9 @@ without importing each other.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from rlbus.messages import FinishReason, Sampling
@@ -20,6 +22,9 @@ class Completion:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    version_spans: list[tuple[int, int]] | None = None
+    """The weight version of each token, run-length (``(version, count)``); None: every
+    token by the version the engine held when the batch began (no in-flight update)."""
 
 
 class Engine(ABC):
@@ -29,6 +34,17 @@ class Engine(ABC):
     reads_weight_files: bool = True
     """False for an engine that loads nothing from a version's uri (synthetic): its uris
     are not checked against the weight store."""
+    inflight_updates: bool = False
+    """True for an engine whose ``load`` may run inside :meth:`step_boundary` while a batch
+    is generating: the new weights apply from the next decode step, and each completion
+    says which version produced which token (``Completion.version_spans``)."""
+
+    @contextlib.asynccontextmanager
+    async def step_boundary(self) -> AsyncIterator[None]:
+        """Hold any running generation between two decode steps while the body runs (a
+        ``load``). Engines without in-flight updates never load during a batch: nothing
+        to hold."""
+        yield
 
     @abstractmethod
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:

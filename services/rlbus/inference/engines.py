@@ -7,24 +7,32 @@ ask for top_p 1 and recompute logits / T at the same temperature (``RLBUS_TEMPER
 so the importance ratio is exactly 1 for an on-policy sample and measures staleness
 otherwise. The model folder's own sampling defaults (``generation_config.json``: top_k,
 repetition_penalty, ...) are ignored: a request samples exactly as its ``Sampling`` says.
-Weights are swapped only between batches (``load``), never inside a generation.
+Weights are swapped only between batches (``load``), never inside a generation, unless
+the hf engine runs with ``inflight_updates``: then it decodes with a loop of its own, a
+``load`` inside :meth:`HFEngine.step_boundary` lands between two decode steps of a running
+batch, and each completion records which version produced which token
+(docs/internals.md, "Partial rollouts and in-flight updates").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import inspect
 import logging
 import math
 import random
 import sys
+import threading
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.settings import InferenceSettings
 from rlbus.inference.weight_load import load_in_place
-from rlbus.messages import Sampling
+from rlbus.messages import Sampling, spans_of
 from rlbus.weights import verified_mapping
 
 log = logging.getLogger(__name__)
@@ -66,9 +74,114 @@ class HFEngine(Engine):
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids) or None,
             return_dict_in_generate=True, output_scores=True)
         self.model.generation_config = self._base  # generate() merges in its unset fields
+        self.inflight_updates = settings.inflight_updates
+        self.inflight_kv = settings.inflight_kv
+        # In-flight updates: a decode step runs holding _step; a holder of step_boundary
+        # takes _turnstile first, so the decode loop stops at its next step boundary
+        # instead of racing it back to _step.
+        self._step = threading.Lock()
+        self._turnstile = threading.Lock()
+        self.decode_steps = 0
+        """Decode steps taken by the in-flight loop since start (forward passes)."""
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5 renamed past_key_values to cache (in and out); 4.x has the old name
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._last_logits: dict[str, int] = {"logits_to_keep": 1} if "logits_to_keep" in params \
+            else {}
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        if self.inflight_updates:
+            return await asyncio.to_thread(self._decode, prompts, sampling)
         return await asyncio.to_thread(self._generate, prompts, sampling)
+
+    @contextlib.asynccontextmanager
+    async def step_boundary(self) -> AsyncIterator[None]:
+        if not self.inflight_updates:
+            yield
+            return
+        await _acquire(self._turnstile)
+        try:
+            await _acquire(self._step)
+            try:
+                yield
+            finally:
+                self._step.release()
+        finally:
+            self._turnstile.release()
+
+    def _decode(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        """Generate with a decode loop of our own (in-flight updates): one forward pass per
+        token, each under the weights loaded at that moment, with the KV cache kept across
+        a switch (``inflight_kv`` keep) or recomputed by the new weights (recompute).
+        Samples and reports logprobs exactly as :meth:`_generate` does."""
+        torch = self.torch
+        seq, mask = self._left_pad(prompts)  # (B, T)
+        batch = len(prompts)
+        ids: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
+        done = [False] * batch
+        past: Any = None
+        cache_version = -1
+        with torch.inference_mode():
+            for _ in range(sampling.max_new_tokens):
+                with self._turnstile:  # a pending load goes first
+                    pass
+                with self._step:
+                    version = self.version
+                    if past is None or (version != cache_version
+                                        and self.inflight_kv == "recompute"):
+                        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+                        out = self.model(input_ids=seq, attention_mask=mask,
+                                         position_ids=positions, use_cache=True,
+                                         **self._last_logits)
+                    else:
+                        positions = mask.sum(-1, keepdim=True) - 1  # (B, 1)
+                        out = self.model(input_ids=seq[:, -1:], attention_mask=mask,
+                                         position_ids=positions, use_cache=True,
+                                         **{self._cache_arg: past})
+                    past, cache_version = getattr(out, self._cache_arg), version
+                    token, logp = self._pick(out.logits[:, -1, :].float(), sampling)  # (B,)
+                    self.decode_steps += 1
+                # finished rows go on decoding a pad, as generate() does; it is not kept
+                token = torch.where(torch.tensor(done, device=self.device),
+                                    torch.full_like(token, self.pad_id), token)
+                seq = torch.cat([seq, token[:, None]], dim=1)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                for i, (tok, lp) in enumerate(zip(token.tolist(), logp.tolist(), strict=True)):
+                    if done[i]:
+                        continue
+                    ids[i].append(tok)
+                    logprobs[i].append(lp)
+                    versions[i].append(version)
+                    done[i] = tok in self.eos_ids
+                if all(done):
+                    break
+        completions: list[Completion] = []
+        for i in range(batch):
+            c = self._trim(ids[i], logprobs[i])
+            spans = spans_of(versions[i][: len(c.completion_ids)])
+            completions.append(Completion(c.completion_ids, c.logprobs, c.finish_reason, spans))
+        return completions
+
+    def _pick(self, logits: Any, sampling: Sampling) -> tuple[Any, Any]:
+        """The next token of each row and its logprob under the distribution it was drawn
+        from: greedy on the raw logits, or logits / T, top-p filtered as transformers'
+        TopPLogitsWarper does (at least one token kept)."""
+        torch = self.torch
+        if sampling.temperature <= 0.0:
+            token = logits.argmax(-1)
+            return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        scores = logits / sampling.temperature  # (B, V)
+        if sampling.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=False)
+            cumulative = ordered.softmax(-1).cumsum(-1)
+            drop = cumulative <= (1 - sampling.top_p)
+            drop[..., -1:] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
+        logp = scores.log_softmax(-1)
+        token = torch.multinomial(logp.exp(), 1).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
     def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         torch = self.torch
@@ -124,6 +237,20 @@ class HFEngine(Engine):
             load_in_place(self.model, mapping, uri)
         finally:
             mapping.close()
+
+
+async def _acquire(lock: threading.Lock) -> None:
+    """Take a thread lock from the event loop without blocking it. Cancellable: a try
+    that took the lock after its caller was cancelled gives it back."""
+    while True:
+        attempt = asyncio.ensure_future(asyncio.to_thread(lock.acquire, True, 0.05))
+        try:
+            if await asyncio.shield(attempt):
+                return
+        except asyncio.CancelledError:
+            if await attempt:
+                lock.release()
+            raise
 
 
 def _first(*values: Any) -> Any:

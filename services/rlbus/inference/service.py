@@ -4,10 +4,13 @@ Delivery contract: at-least-once. A step request is acked (and its offset commit
 after its result is acknowledged by the broker, so a replica killed mid-batch leaves its
 requests to another replica; the requester drops the duplicate answer by ``request_id``.
 Weights are reloaded between batches, never mid-sequence; every result carries the version
-that produced all of its tokens. The member reports the version it serves on weights.served
-(:class:`rlbus.messages.WeightsServed`) once it starts serving, after every load or refusal,
-every ``served_report_s`` in between and when it leaves: what a trainer's ``wait_served``
-waits on.
+that produced all of its tokens. With ``inflight_updates`` (an engine that supports them:
+hf), a new version is also loaded while a batch generates, at its next decode step
+boundary, and a result whose tokens came from several versions says which produced which
+(``StepResult.version_spans``; ``policy_version`` is then the oldest). The member reports
+the version it serves on weights.served (:class:`rlbus.messages.WeightsServed`) once it
+starts serving, after every load or refusal, every ``served_report_s`` in between and when
+it leaves: what a trainer's ``wait_served`` waits on.
 
 The batch loop only generates and hands the results to the producer: waiting for the
 broker's acks, acking the requests and committing happen in the background (at most
@@ -61,6 +64,7 @@ class Inference(Service[InferenceSettings]):
         self._refused_error: str | None = None
         self._served_changed = asyncio.Event()  # a load or a refusal: report it now
         self._unsettled: deque[asyncio.Task[None]] = deque()  # oldest first
+        self._load_lock = asyncio.Lock()  # the batch loop and the watcher both load
 
     async def setup(self) -> None:
         if self.engine is None:
@@ -90,6 +94,8 @@ class Inference(Service[InferenceSettings]):
     async def _watch_weights(self) -> None:
         while not self.stopping:
             await self._note_weights(await self.weights.poll(1.0))
+            if self.engine is not None and self.engine.inflight_updates:
+                await self._maybe_reload()  # now, between two decode steps of any batch
 
     async def _note_weights(self, batch: list[Delivery[WeightVersion]]) -> None:
         for d in batch:
@@ -117,13 +123,18 @@ class Inference(Service[InferenceSettings]):
         return None
 
     async def _maybe_reload(self) -> None:
+        async with self._load_lock:
+            await self._reload()
+
+    async def _reload(self) -> None:
         assert self.engine is not None
         w = self._latest
         if w is None or not self._reload_due():
             return
         t0 = time.perf_counter()
         try:
-            await self.engine.load(w.uri, w.checksum, w.version)
+            async with self.engine.step_boundary():  # a no-op unless in-flight updates
+                await self.engine.load(w.uri, w.checksum, w.version)
         except (ChecksumMismatchError, WeightsMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
@@ -327,11 +338,15 @@ class Inference(Service[InferenceSettings]):
         }
         if isinstance(gen, Exception):
             return StepResult(**common, finish_reason="error", error=repr(gen)[:500])
+        spans = gen.version_spans
+        if spans:  # the engine says which version made its tokens: trust it over ours
+            common["policy_version"] = min(v for v, _ in spans)
         return StepResult(
             **common,
             completion_ids=gen.completion_ids,
             logprobs=gen.logprobs,
             finish_reason=gen.finish_reason,
+            version_spans=spans if spans and len(spans) > 1 else None,
         )
 
     async def _reply(self, d: Delivery[StepRequest], result: StepResult, span: Any) -> None:

@@ -60,6 +60,20 @@ class InferenceSettings(ServiceSettings):
     served_report_s: float = Field(default=5.0, gt=0)
     """How often this member reports the weights version it serves on weights.served
     (besides at once after each load): what a trainer's ``wait_served`` reads."""
+    inflight_updates: bool = False
+    """hf: apply a newly announced weight version between decode steps of a running batch,
+    not only between batches (PipelineRL-style partial rollouts): the engine decodes with a
+    loop of its own and every token records the version that produced it
+    (``StepResult.version_spans``). Off by default: it changes the generation path (its own
+    sampling loop in place of transformers' ``generate``) and, with ``inflight_kv`` keep,
+    tokens after a switch come from new weights over a cache computed by the old ones
+    (docs/internals.md, "Partial rollouts and in-flight updates")."""
+    inflight_kv: Literal["keep", "recompute"] = "keep"
+    """hf with ``inflight_updates``: what happens to the KV cache of a running batch when
+    new weights land. keep (PipelineRL): the cache computed by the old weights stays, only
+    later tokens see the new ones, no extra work; recompute: the whole sequence so far is
+    prefilled again with the new weights, so every later token is exactly what a fresh
+    engine with the new weights would give for that prefix."""
     seed: int = 0
     """Sampling seed; each replica mixes in its instance name for a stream of its own."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()

@@ -114,6 +114,12 @@ class LearnerSettings(ServiceSettings):
     feeder's credit window admits groups at most this far ahead, and the learner waits for
     a straggling group whose last chance within the bound is its next step (up to
     ``straggler_wait_s``); a sample older than this is masked, never trained."""
+    staleness_from: Literal["oldest", "newest"] = "oldest"
+    """Which of an episode's tokens its staleness counts from, for the mask above: the
+    oldest (every token within the bound) or the newest (a partial rollout whose turns or
+    tokens came from several versions trains while its latest part is within the bound;
+    its older part is off-policy by more, which the importance ratio against the behaviour
+    logprobs still corrects). Staleness statistics count the same way."""
     straggler_wait_s: float = Field(default=60.0, ge=0)
     """Longest the learner holds a step back for a group that would otherwise go stale
     (its other members are back, one is still running); past it the step goes on and the

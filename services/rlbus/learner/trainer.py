@@ -163,7 +163,7 @@ class Trainer:
         out: list[Sample] = []
         for g in groups:
             members = g.episodes
-            stale = [version - m.policy_version for m in members]
+            stale = [version - m.version_of_age(self.cfg.staleness_from) for m in members]
             causes = [mask_cause(m.scored, s, self.cfg.max_staleness)
                       for m, s in zip(members, stale, strict=True)]
             adv = group_advantages(
@@ -444,7 +444,8 @@ class SyntheticTrainer:
     def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         time.sleep(self.cfg.synthetic_step_s)  # stands in for GPU work, off the event loop
         samples = [e.scored for g in groups for e in g.episodes]
-        ages = [version - m.trajectory.min_version for m in samples]
+        ages = [version - m.trajectory.version_of_age(self.cfg.staleness_from)
+                for m in samples]
         # the same mask as the GRPO trainer
         causes = [mask_cause(m, a, self.cfg.max_staleness)
                   for m, a in zip(samples, ages, strict=True)]

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -51,6 +51,7 @@ from rlbus.rollout.sessions import (
     Session,
     json_object,
     pieces,
+    sse,
 )
 
 Completion = dict[str, Any]
@@ -166,8 +167,7 @@ async def answer(model: str, session: Session, body: bytes,
     chat = to_chat(req)
     message = to_message(await run(session.complete(chat)), session, chat.stops)
     if req.stream:
-        return StreamingResponse(stream_events(message), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return sse(stream_events(message))
     return JSONResponse(message)
 
 

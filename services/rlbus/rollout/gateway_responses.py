@@ -34,10 +34,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlbus.rollout.sessions import (
@@ -47,6 +47,7 @@ from rlbus.rollout.sessions import (
     Session,
     json_object,
     pieces,
+    sse,
 )
 
 Completion = dict[str, Any]
@@ -419,8 +420,8 @@ async def respond(model: str, session: Session, body: bytes,
         session.responses[response["id"]] = items + [
             ITEM_TYPES[o["type"]].model_validate(o) for o in response["output"]]
     if req.stream:
-        return StreamingResponse(_sse(response), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return sse(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+                   for event in stream_events(response))
     return JSONResponse(response)
 
 
@@ -477,8 +478,3 @@ def _call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
          "arguments": item["arguments"]},
         {"type": "response.output_item.done", "output_index": index, "item": item},
     ]
-
-
-async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
-    for event in stream_events(response):
-        yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -117,7 +117,7 @@ class KafkaPolicy:
                                          sampling)
         self.turn += 1
         return Generation(result.completion_ids, result.logprobs, result.policy_version,
-                          result.finish_reason)
+                          result.finish_reason, result.version_spans)
 
 
 def default_reply_partition(instance: str, partitions: int) -> int:

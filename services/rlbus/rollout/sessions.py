@@ -32,15 +32,17 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NoReturn
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlbus.api import Generation, Policy
 from rlbus.errors import RlbusError
-from rlbus.messages import FinishReason, Sampling, Turn
+from rlbus.messages import FinishReason, Sampling, Turn, cut_spans
 from rlbus.rollout.settings import GatewayHistory
 from rlbus.tool_calls import find_tool_calls, without_calls
 
@@ -270,27 +272,21 @@ class Session:
         :class:`Diverged` saying why where it does not extend that history."""
         if tools != self.tools:
             raise Diverged("the tools differ from the session's first call")
-        last = max((i for i, m in enumerate(req.messages) if m.get("role") == "assistant"),
-                   default=None)
-        if last is None:
-            raise Diverged("the messages do not contain the session's last reply")
-        base = self.render(req.messages[: last + 1], req.tools, generation_prompt=False)
-        if not full.startswith(base):
-            raise Diverged("the template renders the history differently once more "
-                           "messages follow it")
-        end = base.rfind(self.eos_text)
-        if end < 0:
-            raise Diverged("the rendered history has no end-of-turn token")
-        finished = self.ids[-1] == self.tokenizer.eos_token_id
-        cut = end + (len(self.eos_text) if finished else 0)
+        # The text of the recorded ids must begin the rendering and the new ids are the
+        # rest: one rendering per call, as the template is most of the gateway's own cost
+        # and grows with the history.
         seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        if seen != base[:cut]:
-            at = next((i for i, (a, b) in enumerate(zip(seen, base, strict=False)) if a != b),
-                      min(len(seen), cut))
+        if not full.startswith(seen):
+            at = next((i for i, (a, b) in enumerate(zip(seen, full, strict=False)) if a != b),
+                      min(len(seen), len(full)))
             raise Diverged(f"the history renders to other text than the tokens the model "
                            f"saw, from character {at}: saw {seen[at:at + 40]!r}, template "
-                           f"gives {base[at:at + 40]!r}")
-        return list(self.tokenizer.encode(full[cut:], add_special_tokens=False))
+                           f"gives {full[at:at + 40]!r}")
+        if (self.ids[-1] != self.tokenizer.eos_token_id
+                and not full.startswith(self.eos_text, len(seen))):
+            raise Diverged("the last reply ended without an end-of-turn token and the "
+                           "messages go on with it")
+        return list(self.tokenizer.encode(full[len(seen):], add_special_tokens=False))
 
     def diverge(self, why: str) -> NoReturn:
         self.failed = f"context diverged: {why} (rlbus trains only the exact tokens sampled)"
@@ -350,6 +346,7 @@ class Session:
             input_ids=new, completion_ids=completion, logprobs=logprobs,
             policy_version=gen.policy_version, finish_reason=finish, action=text,
             fresh_context=self.fresh,
+            version_spans=cut_spans(gen.version_spans, len(completion)),
         ))
         self.ids = context + completion
         self.tokens += len(new) + len(completion)
@@ -398,6 +395,18 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 STREAM_PIECE = 16
 """Characters of text (or of a tool call's arguments) per streamed delta, on every route."""
+
+
+def sse(events: Iterable[str]) -> StreamingResponse:
+    """A streamed answer of server-sent events, each already framed (``data: ...\\n\\n``),
+    on every route. An async generator: Starlette pulls a plain iterator through its
+    thread pool, one thread hop per event."""
+    async def each() -> AsyncIterator[str]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(each(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
 
 
 def pieces(text: str) -> list[str]:

@@ -39,17 +39,24 @@ class Segment:
     logprobs: list[float]
     """The behaviour policy's logprob of each sampled token (0.0 elsewhere), as the
     engine reported it at the prompt's sampling temperature."""
+    versions: list[int] = field(default_factory=list, compare=False)
+    """The weight version that sampled each of ``token_ids`` (-1 where not sampled): a
+    partial rollout's tokens come from several (turns served by different versions, or an
+    in-flight update inside one completion). Empty on a Segment built without them; not
+    part of equality (two segments of the same tokens are the same sequence)."""
 
     @classmethod
     def of(cls, turns: Sequence[Turn]) -> Segment:
         ids: list[int] = []
         mask: list[bool] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         for turn in turns:
             ids += turn.input_ids + turn.completion_ids
             mask += [False] * len(turn.input_ids) + [True] * len(turn.completion_ids)
             logprobs += [0.0] * len(turn.input_ids) + turn.logprobs
-        return cls(ids, mask, logprobs)
+            versions += [-1] * len(turn.input_ids) + turn.token_versions
+        return cls(ids, mask, logprobs, versions)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class Episode:
     0.0, a verifier may return any value with ``valid=False``): do not train on it."""
     policy_version: int
     """The oldest weight version that sampled any of its tokens (its staleness is the
-    trainer's version minus this)."""
+    trainer's version minus this, by default: :meth:`version_of_age`)."""
     finish_reason: FinishReason
     """How its last completion ended (``error`` for a failed episode with no turn)."""
     valid: bool
@@ -85,6 +92,16 @@ class Episode:
     """The whole record: turns, spec, verifier info, error."""
     headers: Mapping[str, bytes] = field(default_factory=dict)
     """The record's Kafka headers (its trace context), to link a training span to it."""
+    newest_version: int = -1
+    """The newest weight version that sampled any of its tokens (-1: not given; then
+    ``policy_version``)."""
+
+    def version_of_age(self, staleness_from: Literal["oldest", "newest"] = "oldest") -> int:
+        """The version its staleness counts from: its oldest token's or its newest's
+        (``RLBUS_MAX_STALENESS`` and ``RLBUS_STALENESS_FROM`` of the learner)."""
+        if staleness_from == "newest":
+            return max(self.newest_version, self.policy_version)
+        return self.policy_version
 
     @classmethod
     def of(cls, scored: ScoredTrajectory, headers: Mapping[str, bytes]) -> Episode:
@@ -93,7 +110,7 @@ class Episode:
         return cls(
             episode_id=t.episode_id, index=t.index,
             segments=tuple(Segment.of(s) for s in t.segments()), reward=scored.reward,
-            policy_version=t.min_version,
+            policy_version=t.min_version, newest_version=t.max_version,
             finish_reason=t.turns[-1].finish_reason if t.turns else "error",
             valid=valid, scored=scored, headers=dict(headers))
 

@@ -84,3 +84,20 @@ def test_a_record_written_before_segments_existed_reads_as_linear_and_new_ones_k
     assert len(t.segments()) == 1 and not t.turns[0].fresh_context
     segmented = _segmented().trajectory
     assert decode(encode(segmented), Trajectory).segments() == segmented.segments()
+
+
+def test_an_episode_from_several_versions_exposes_each_tokens_version() -> None:
+    t = factories.trajectory(version=1)
+    later = Turn(input_ids=[7, 8], completion_ids=[4, 5, 6], logprobs=[-1.0] * 3,
+                 policy_version=2, version_spans=[(2, 1), (3, 2)])
+    t = t.model_copy(update={"turns": [*t.turns, later]})
+    ep = Episode.of(ScoredTrajectory(trajectory=t, reward=1.0), {})
+    assert (ep.policy_version, ep.newest_version) == (1, 3)
+    assert ep.version_of_age() == 1
+    assert ep.version_of_age("newest") == 3
+    seg = ep.segments[0]
+    assert len(seg.versions) == len(seg.token_ids)
+    # turn 0: [1, 2] context, [5, 2] sampled at v1; turn 1: [7, 8] context, 4 at v2, 5 6 at v3
+    assert seg.versions == [-1, -1, 1, 1, -1, -1, 2, 3, 3]
+    sampled = [v for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m]
+    assert -1 not in sampled

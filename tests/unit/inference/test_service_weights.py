@@ -3,16 +3,19 @@ letter with the reason, and the weights it serves do not change."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from rlbus.errors import WeightsMismatchError
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
-from rlbus.messages import DeadLetter, Sampling, WeightVersion
+from rlbus.messages import DeadLetter, Sampling, StepResult, WeightVersion, spans_of
 from rlbus.settings import TopicSettings
 from rlbus.topics import Topics, memory_broker
 from rlbus.transport import MemoryBus
+from tests import factories
+from tests.polling import wait_until
 from tests.support.services import read_log, run_until
 
 TOPICS = TopicSettings(prefix="wv", partitions=1, result_partitions=1)
@@ -78,3 +81,54 @@ async def test_weights_that_do_not_fit_are_refused_and_the_member_keeps_serving(
     await run_until([inference], lambda: inference.counters.get("refused_weights") == 1)
 
     assert engine.version == 0
+
+
+class SteppingEngine(Engine):
+    """Decodes one token per step until it has seen a load land mid-batch (or 200 steps),
+    recording each token's version the way the hf engine's in-flight loop does."""
+
+    inflight_updates = True
+
+    def __init__(self) -> None:
+        self.loads_during_batch = 0
+        self.generating = False
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        self.generating = True
+        versions: list[int] = []
+        for _ in range(200):
+            async with self.step_boundary():
+                versions.append(self.version)
+            if versions[-1] != versions[0]:
+                break
+            await asyncio.sleep(0.01)
+        self.generating = False
+        return [Completion([1] * len(versions), [-0.5] * len(versions), "length",
+                           spans_of(versions)) for _ in prompts]
+
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        self.loads_during_batch += self.generating
+        self.version = version
+
+
+async def test_with_in_flight_updates_a_version_lands_inside_a_running_batch() -> None:
+    broker = memory_broker(TOPICS)
+    bus = MemoryBus(broker, dlq_topic=T.dlq)
+    producer = await bus.producer()
+    engine = SteppingEngine()
+    inference = Inference(InferenceSettings(topics=TOPICS, engine="synthetic"), bus, engine)
+
+    async def announce_while_generating() -> None:
+        await wait_until(lambda: engine.generating, "a batch generating")
+        await producer.send(T.weights, WeightVersion(model="policy", version=1, uri="/w/1",
+                                                     checksum="x", step=1), key="policy")
+    await producer.send(T.steps, factories.step_request(), key="run/0/0")
+    announcing = asyncio.create_task(announce_while_generating())
+    await run_until([inference], lambda: bool(read_log(broker, T.results, StepResult)))
+    await announcing
+
+    [result] = read_log(broker, T.results, StepResult)
+    assert engine.loads_during_batch == 1
+    assert result.policy_version == 0  # the oldest token's
+    assert result.version_spans is not None
+    assert [v for v, _ in result.version_spans] == [0, 1]

@@ -131,3 +131,32 @@ def test_a_step_trains_every_segment_of_an_episode(folder: Path, norm: str) -> N
     assert stats.update is not None and math.isfinite(stats.update.loss)
     assert stats.tokens == 8 + 8 + 8
     assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))
+
+
+def _spanning_group() -> ScoredGroup:
+    """Two episodes begun at v0; one's second turn was sampled by v1 (first token) and v4
+    (the rest: an in-flight update inside the completion), the other stayed at v0."""
+    def episode(index: int, spans: list[tuple[int, int]] | None) -> Episode:
+        turns = [_turn([3, 4, 5], [6, 7])]
+        first = spans[0][0] if spans else 0
+        turns.append(Turn(input_ids=[8], completion_ids=[9, 10], logprobs=[-1.0, -1.25],
+                          policy_version=first, version_spans=spans))
+        t = Trajectory(episode_id=f"g/{index}", group_id="g", index=index, group_size=2,
+                       task="guess_number", spec=SPEC, turns=turns)
+        return Episode.of(ScoredTrajectory(trajectory=t, reward=float(index)), {})
+    return ScoredGroup("g", "guess_number", "train",
+                       (episode(0, [(1, 1), (4, 1)]), episode(1, None)), 0)
+
+
+def test_staleness_counts_from_the_oldest_token_unless_set_to_the_newest(folder: Path) -> None:
+    group = _spanning_group()
+    oldest = trainer(folder, Scripted())
+    # learner at v5, bound 2: both episodes' oldest token (v0) is 5 behind: both stale
+    assert [s.cause for s in oldest.samples([group], version=5)] == ["stale", "stale"]
+    # within the bound from the oldest token: a multi-version episode trains as it is
+    assert [s.cause for s in oldest.samples([group], version=2)] == [None, None]
+    newest = Trainer(LearnerSettings(model_path=folder, torch_threads=None,
+                                     staleness_from="newest"), Scripted())
+    got = newest.samples([group], version=5)
+    # the spanning episode's newest token is v4 (1 behind): it trains; the other is all v0
+    assert [(s.cause, s.staleness) for s in got] == [(None, 1), ("stale", 5)]

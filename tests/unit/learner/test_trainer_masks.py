@@ -57,3 +57,23 @@ def test_a_non_finite_behaviour_logprob_anywhere_in_the_episode_masks_it(bad: fl
         == "bad_logprobs"
     huge = turn.model_copy(update={"logprobs": [-3.4e38, -3.4e38]})  # float32's most negative
     assert behaviour_finite(t.model_copy(update={"turns": [huge] * 100}))
+
+
+@pytest.mark.parametrize(("since", "masked"), [("oldest", 1), ("newest", 0)])
+def test_the_synthetic_trainer_counts_staleness_from_the_token_set(since: str,
+                                                                    masked: int) -> None:
+    """A two-turn episode begun at v0 whose second turn v3 sampled: at v5 with bound 2 it is
+    stale from its oldest token, fresh enough from its newest."""
+    from rlbus.client import Episode, ScoredGroup
+    from rlbus.learner.settings import LearnerSettings
+    from rlbus.learner.trainer import SyntheticTrainer
+    from rlbus.messages import ScoredTrajectory, Turn
+
+    t = factories.trajectory(version=0)
+    later = Turn(input_ids=[4], completion_ids=[5], logprobs=[-1.0], policy_version=3)
+    t = t.model_copy(update={"turns": [*t.turns, later]})
+    episode = Episode.of(ScoredTrajectory(trajectory=t, reward=1.0), {})
+    trainer = SyntheticTrainer(LearnerSettings(trainer="synthetic", synthetic_step_s=0.0,
+                                               max_staleness=2, staleness_from=since))
+    stats = trainer.step([ScoredGroup("run/0", "x", "train", (episode,), 0)], version=5)
+    assert stats.masks.by_cause["stale"] == masked
