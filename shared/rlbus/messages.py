@@ -421,7 +421,8 @@ class WeightVersion(Message):
     by model). Rollout does not read it: the staleness gate is at inference.
 
     The weights live at ``uri`` (a safetensors folder); ``checksum`` is the sha256 of the
-    safetensors file, checked before loading.
+    safetensors file (a bare hex digest), or ``xxh3_128:<hex>`` (the learner's
+    ``RLBUS_WEIGHTS_CHECKSUM``), checked before loading.
     """
 
     model: str

@@ -27,13 +27,13 @@ import sys
 import threading
 import zlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.settings import InferenceSettings
+from rlbus.inference.weight_load import load_in_place
 from rlbus.messages import Sampling, spans_of
-from rlbus.weights import verified_weights
+from rlbus.weights import verified_mapping
 
 log = logging.getLogger(__name__)
 
@@ -226,14 +226,17 @@ class HFEngine(Engine):
         return Completion(ids, logprobs, "length")
 
     async def load(self, uri: str, checksum: str, version: int) -> None:
-        path = await asyncio.to_thread(verified_weights, uri, checksum)
-        await asyncio.to_thread(self._load_file, path)
+        await asyncio.to_thread(self._load_verified, uri, checksum)
         self.version = version
 
-    def _load_file(self, path: Path) -> None:
-        from safetensors.torch import load_model
-
-        load_model(self.model, str(path), device=str(self.device))
+    def _load_verified(self, uri: str, checksum: str) -> None:
+        """Map the file, verify the mapping, copy it into the model's own parameters
+        (:mod:`rlbus.inference.weight_load`): one read of the file, one copy."""
+        mapping = verified_mapping(uri, checksum)
+        try:
+            load_in_place(self.model, mapping, uri)
+        finally:
+            mapping.close()
 
 
 async def _acquire(lock: threading.Lock) -> None:

@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 from rlbus import telemetry
-from rlbus.errors import Refusal
+from rlbus.errors import Refusal, WeightsMismatchError
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.engines import make_engine
 from rlbus.inference.settings import InferenceSettings
@@ -44,6 +44,10 @@ MAX_UNSETTLED = 8
 """Batches whose replies may still await the broker's acks; the loop waits beyond this."""
 COMMIT_EVERY_S = 0.2
 """How often the offsets of answered (acked) requests are committed."""
+IDLE_POLL_S = 0.5
+"""Longest one poll for requests lasts when none come."""
+RELOAD_CHECK_S = 0.05
+"""How often an idle member checks for newly announced weights while it polls."""
 
 
 class Inference(Service[InferenceSettings]):
@@ -125,13 +129,13 @@ class Inference(Service[InferenceSettings]):
     async def _reload(self) -> None:
         assert self.engine is not None
         w = self._latest
-        if w is None or w.version <= max(self.engine.version, self._refused):
+        if w is None or not self._reload_due():
             return
         t0 = time.perf_counter()
         try:
             async with self.engine.step_boundary():  # a no-op unless in-flight updates
                 await self.engine.load(w.uri, w.checksum, w.version)
-        except (ChecksumMismatchError, OSError) as exc:
+        except (ChecksumMismatchError, WeightsMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
             self._refused, self._refused_error = w.version, str(exc)
@@ -181,12 +185,27 @@ class Inference(Service[InferenceSettings]):
                 await self._serve(batch)
 
     async def _next_batch(self) -> list[Delivery[StepRequest]]:
-        batch = await self.steps.poll(0.5, self.settings.max_batch_size)
+        batch = await self._poll_steps()
         wait = self._wait_for_company(batch)
         if wait > 0:
             await asyncio.sleep(wait)
             batch += await self.steps.poll(0.0, self.settings.max_batch_size - len(batch))
         return batch
+
+    async def _poll_steps(self) -> list[Delivery[StepRequest]]:
+        """Requests, polled for up to ``IDLE_POLL_S`` in slices of ``RELOAD_CHECK_S``: an
+        idle member notices a newly announced version within a slice, not a whole poll
+        (a trainer's ``wait_served`` waits on it)."""
+        deadline = time.monotonic() + IDLE_POLL_S
+        while True:
+            batch = await self.steps.poll(RELOAD_CHECK_S, self.settings.max_batch_size)
+            if batch or self._reload_due() or time.monotonic() >= deadline or self.stopping:
+                return batch
+
+    def _reload_due(self) -> bool:
+        w = self._latest
+        return (w is not None and self.engine is not None
+                and w.version > max(self.engine.version, self._refused))
 
     def _wait_for_company(self, batch: list[Delivery[StepRequest]]) -> float:
         """Seconds to wait for more requests to join ``batch``: what is left of

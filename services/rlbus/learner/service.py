@@ -165,6 +165,7 @@ class Learner(Service[LearnerSettings]):
             kafka=s.kafka, topics=s.topics, limits=s.limits, group=self.group,
             member=self.member, run_name=s.run_name, model_name=s.model_name,
             model_path=s.model_path, weights_dir=s.weights_dir, keep_weights=s.keep_weights,
+            weights_checksum=s.weights_checksum,
             groups_per_step=s.groups_per_step, max_staleness=s.max_staleness,
             straggler_wait_s=s.straggler_wait_s)
 

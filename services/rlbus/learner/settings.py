@@ -12,6 +12,7 @@ from pydantic_settings import NoDecode
 from rlbus.prompt_data import DatasetSettings
 from rlbus.settings import ServiceSettings
 from rlbus.tracking.base import TrackingSink
+from rlbus.weights import ChecksumAlgorithm
 
 OffPolicyMode = Literal["none", "decoupled", "tis", "token_mask", "seq_mask"]
 
@@ -65,6 +66,9 @@ class LearnerSettings(ServiceSettings):
     """Weight store: one safetensors folder per published version."""
     keep_weights: int = Field(default=3, ge=1)
     """Published versions kept in the weight store (older ones are deleted)."""
+    weights_checksum: ChecksumAlgorithm = "sha256"
+    """The published files' checksum: sha256, or xxh3_128 (as safe against torn and
+    corrupted files, several times faster; not against a forger who can write the store)."""
     checkpoint_dir: Path = Path("runs/checkpoint")
     """Where the checkpoint (model, optimizer, version, offsets, feeder) is written."""
     checkpoint_every: int = Field(default=5, ge=1)

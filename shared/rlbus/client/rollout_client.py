@@ -41,6 +41,7 @@ from rlbus.client.tensors import (
     Reference,
     check,
     folder_specs,
+    preallocate,
     prepare,
     read_header,
     write_version,
@@ -117,6 +118,7 @@ class RolloutClient:
         self._credit = asyncio.Event()
         self._submitting = asyncio.Lock()
         self._publishing = asyncio.Lock()
+        self._preallocating: asyncio.Task[None] | None = None
         self._latest: WeightVersion | None = None
         self._reference: Reference | None = None
         self._served = ServedMembers(settings.model_name, settings.served_ttl_s)
@@ -145,6 +147,8 @@ class RolloutClient:
 
     async def close(self) -> None:
         """Close the Kafka clients, if the bus is the client's own."""
+        if self._preallocating is not None:
+            await self._preallocating
         if self._owns_bus:
             await self.bus.close()
 
@@ -409,7 +413,11 @@ class RolloutClient:
         travel in the event, for ``rlbus status``. Publishes run one at a time."""
         async with self._publishing:
             version = self.version + 1
+            if self._preallocating is not None:
+                await self._preallocating
             uri, digest = await asyncio.to_thread(self._write, weights, version)
+            self._preallocating = asyncio.create_task(asyncio.to_thread(
+                self._preallocate_next, uri, version + 1))
             event = WeightVersion(
                 model=self.settings.model_name, version=version, uri=uri, checksum=digest,
                 step=self.steps + 1 if step is None else step,
@@ -429,10 +437,20 @@ class RolloutClient:
         check(prepared, reference, version)
         prefer = set(reference.specs) if reference is not None else set()
         s = self.settings
-        folder, digest = write_version(prepared, s.weights_dir, version, s.keep_weights, prefer)
+        folder, digest = write_version(prepared, s.weights_dir, version, s.keep_weights, prefer,
+                                       s.weights_checksum)
         self._reference = Reference(read_header(folder / WEIGHTS_FILE),
                                     f"v{version} ({folder})", exact_dtypes=True)
         return str(folder.resolve()), digest
+
+    def _preallocate_next(self, uri: str, version: int) -> None:
+        """The next version's file, reserved at this one's size off the publish path."""
+        if uri.startswith("synthetic://"):
+            return
+        try:
+            preallocate(self.settings.weights_dir, version, weights_file(uri).stat().st_size)
+        except OSError as exc:  # the next write allocates as it goes
+            log.warning("could not preallocate weights v%d: %s", version, exc)
 
     def _reference_now(self) -> Reference | None:
         """What the next version must hold: the previous version's file, else the served

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlbus.acl import group_name
 from rlbus.limits import Limits
 from rlbus.settings import KafkaSettings, TopicSettings
+from rlbus.weights import ChecksumAlgorithm
 
 
 class ClientSettings(BaseModel):
@@ -41,6 +42,11 @@ class ClientSettings(BaseModel):
     storage every inference member can read at the same path."""
     keep_weights: int = Field(default=3, ge=1)
     """Published versions kept in the weight store (older ones are deleted)."""
+    weights_checksum: ChecksumAlgorithm = "sha256"
+    """How a published file's checksum is computed. sha256 also resists someone who can
+    write into the weight store but not announce versions; xxh3_128 detects torn and
+    corrupted files as well, several times faster (a 1 GB publish: docs/performance.md,
+    section 10). Readers verify either."""
     groups_per_step: int = Field(default=4, ge=1)
     """Training groups the trainer takes between two published weight versions."""
     max_staleness: int = Field(default=2, ge=0)

@@ -18,13 +18,21 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlbus.errors import WeightsMismatchError
-from rlbus.weights import WEIGHTS_FILE, sha256_file
+from rlbus.weights import (
+    WEIGHTS_FILE,
+    ChecksumAlgorithm,
+    file_checksum,
+    format_checksum,
+    new_hasher,
+)
 
 FLOATS = frozenset({"F32", "BF16", "F16"})
 """The dtypes the engines load a floating-point tensor from (they cast to their own)."""
@@ -230,34 +238,94 @@ def check(weights: Prepared, reference: Reference | None, version: int) -> None:
 
 
 def write_version(weights: Prepared, weights_dir: Path, version: int, keep: int,
-                  prefer: set[str]) -> tuple[Path, str]:
+                  prefer: set[str], checksum: ChecksumAlgorithm = "sha256") -> tuple[Path, str]:
     """Write ``weights`` as ``<weights_dir>/v<version:06d>/model.safetensors`` (to a temporary
-    folder first, renamed once complete); returns (folder, sha256). Of tied names, the
-    one in ``prefer`` (the reference's) is kept. Keeps the newest ``keep`` versions."""
+    folder first, renamed once complete); returns (folder, checksum string). Of tied names,
+    the one in ``prefer`` (the reference's) is kept. Keeps the newest ``keep`` versions."""
     folder = weights_dir / f"v{version:06d}"
-    tmp = weights_dir / f".v{version:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _tmp_folder(weights_dir, version)
+    if not (tmp / WEIGHTS_FILE).is_file():  # else a file preallocated for this version
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     if weights.file is not None:
         shutil.copyfile(weights.file, tmp / WEIGHTS_FILE)
+        digest = file_checksum(tmp / WEIGHTS_FILE, checksum)
     else:
-        _save(weights, tmp / WEIGHTS_FILE, prefer)
-    digest = sha256_file(tmp / WEIGHTS_FILE)
+        digest = _save(weights, tmp / WEIGHTS_FILE, prefer, checksum)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     _prune(weights_dir, keep)
     return folder, digest
 
 
-def _save(weights: Prepared, path: Path, prefer: set[str]) -> None:
-    from safetensors.torch import save_file
-
+def _save(weights: Prepared, path: Path, prefer: set[str], checksum: ChecksumAlgorithm) -> str:
+    """Write the safetensors file, hashing each tensor's bytes as they are written (one
+    pass; the hash runs on a second thread, one tensor behind the write). Returns the
+    checksum string of the file."""
     assert weights.tensors is not None
     kept = {}
     for names in weights.aliases:
         name = min(names & prefer) if names & prefer else min(names)
-        kept[name] = weights.tensors[name].contiguous()
-    save_file(kept, str(path))
+        kept[name] = weights.tensors[name]
+    hasher = new_hasher(checksum)
+    with path.open("r+b" if path.exists() else "wb") as f, \
+            ThreadPoolExecutor(1, "weights-hash") as pool:
+        pending: deque[Future[None]] = deque()
+        for chunk in _file_chunks(kept):
+            f.write(chunk)
+            pending.append(pool.submit(hasher.update, chunk))
+            while len(pending) > 2:  # bounds the host copies of device tensors held
+                pending.popleft().result()
+        for done in pending:
+            done.result()
+        f.truncate()  # a preallocated file may have been longer
+    return format_checksum(checksum, hasher.hexdigest())
+
+
+def _tmp_folder(weights_dir: Path, version: int) -> Path:
+    return weights_dir / f".v{version:06d}.tmp"
+
+
+def preallocate(weights_dir: Path, version: int, size: int) -> None:
+    """Reserve ``size`` bytes for version ``version``'s file in its (private) temporary
+    folder, ahead of time: the write then does not allocate blocks as it goes (a 1 GB
+    write here: 0.4-0.9 s into a preallocated file, 0.3-1.7 s into a new one; section 10 of
+    docs/performance.md). A filesystem that cannot preallocate allocates as it writes."""
+    tmp = _tmp_folder(weights_dir, version)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fd = os.open(tmp / WEIGHTS_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+    except OSError:
+        pass  # the write allocates as it goes
+    finally:
+        os.close(fd)
+
+
+def _file_chunks(tensors: dict[str, Any]) -> Iterator[memoryview]:
+    """The bytes of a safetensors file of ``tensors``, as the safetensors library lays it
+    out: the 8-byte header size, the JSON header padded with spaces to 8 bytes, then each
+    tensor's bytes, widest dtype first (so each one is aligned to its element size)."""
+    import torch
+
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield memoryview(struct.pack("<Q", len(text)) + text)
+    for name in order:
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.numel():
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _prune(weights_dir: Path, keep: int) -> None:

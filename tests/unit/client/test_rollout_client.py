@@ -37,7 +37,7 @@ from rlbus.messages import Prompt, ScoredTrajectory, WeightsServed, WeightVersio
 from rlbus.settings import TopicSettings
 from rlbus.topics import Topics, memory_broker
 from rlbus.transport import MemoryBroker, MemoryBus
-from rlbus.weights import verified_weights
+from rlbus.weights import verified_weights, weights_file
 from tests.factories import trajectory
 from tests.polling import wait_until
 
@@ -318,3 +318,21 @@ def test_the_sync_client_makes_the_same_calls(broker: MemoryBroker, tmp_path: Pa
         (group,) = client.receive(1, timeout_s=5)
         assert group.group_id == "run/0" and client.position().taken == ["run/0"]
         assert client.publish_weights(None).version == 1 and client.credit() == 1
+
+
+async def test_the_next_versions_file_is_reserved_then_filled(
+        connect: Connect, tiny: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    client = await connect(model_path=tiny, weights_checksum="xxh3_128")
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    v1 = await client.publish_weights(model)
+    assert v1.checksum.startswith("xxh3_128:")
+    with torch.no_grad():
+        model.model.norm.weight.add_(1)
+    v2 = await client.publish_weights(model)  # written into the file reserved after v1
+    await client.close()  # waits for the reservation of v3
+    reserved = tmp_path / "weights" / ".v000003.tmp" / "model.safetensors"
+    assert reserved.stat().st_size == weights_file(v2.uri).stat().st_size
+    written = load_file(verified_weights(v2.uri, v2.checksum))
+    torch.testing.assert_close(written["model.norm.weight"], model.model.norm.weight)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from rlbus.errors import WeightsMismatchError
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
@@ -56,6 +57,30 @@ async def test_a_version_outside_the_weight_store_is_dead_lettered(tmp_path: Pat
     assert letter.source_topic == T.weights
     assert letter.reason == "invalid" and "outside the weight store" in letter.error
     assert inference.counters["weights_outside_store"] == 1
+
+
+class MisfitEngine(RecordingEngine):
+    """Every version's file is intact but does not fit the served model."""
+
+    async def load(self, uri: str, checksum: str, version: int) -> None:
+        raise WeightsMismatchError(f"{uri}: model.norm.weight: missing")
+
+
+async def test_weights_that_do_not_fit_are_refused_and_the_member_keeps_serving(
+        tmp_path: Path) -> None:
+    store = tmp_path / "weights"
+    broker = memory_broker(TOPICS)
+    bus = MemoryBus(broker, dlq_topic=T.dlq)
+    producer = await bus.producer()
+    await producer.send(T.weights, WeightVersion(model="policy", version=1,
+                                                 uri=str(store / "v000001"), checksum="y",
+                                                 step=1), key="policy")
+    engine = MisfitEngine()
+    inference = Inference(InferenceSettings(topics=TOPICS, weights_dir=store), bus, engine)
+
+    await run_until([inference], lambda: inference.counters.get("refused_weights") == 1)
+
+    assert engine.version == 0
 
 
 class SteppingEngine(Engine):
