@@ -9,49 +9,14 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from rlbus.api import Generation
-from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling, Trajectory, Turn
 from rlbus.rollout.gateway import Gateway
 from rlbus.rollout.sessions import GatewayCode, GatewayError, parse_tool_calls
 from tests.polling import wait_until
+from tests.unit.rollout.conftest import Scripted
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
-
-
-class Scripted:
-    """A policy that answers each call with the next scripted text (and its eos)."""
-
-    def __init__(self, tokenizer, replies: list[str], delay_s: float = 0.0) -> None:
-        self.tok, self.replies, self.delay_s = tokenizer, list(replies), delay_s
-        self.contexts: list[list[int]] = []
-        self.cancelled = 0
-
-    async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
-        self.contexts.append(list(input_ids))
-        try:
-            await asyncio.sleep(self.delay_s)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False)
-        ids.append(self.tok.eos_token_id)
-        return Generation(ids, [-0.5] * len(ids), policy_version=7)
-
-
-@pytest.fixture
-async def gateway():
-    g = Gateway("policy")
-    await g.start()
-    yield g
-    await g.stop()
 
 
 def _client(g: Gateway, sid: str, **kw) -> openai.AsyncOpenAI:
@@ -238,7 +203,6 @@ async def test_concurrent_sessions_are_independent(gateway, tokenizer):
     assert [c for c, _ in results] == [f"answer {i}" for i in range(32)]
     assert all(len(t) == 1 for _, t in results)
     assert not gateway.sessions  # every session closed
-
 
 
 # -- histories that are not linear: each such call is a new segment ("segments" mode)

@@ -12,14 +12,13 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 
 import httpx  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
-from rlbus.api import ChatSession, Generation  # noqa: E402
-from rlbus.learner.chat_model import build_chat_model  # noqa: E402
+from rlbus.api import ChatSession  # noqa: E402
 from rlbus.messages import Sampling  # noqa: E402
 from rlbus.rollout.gateway import Gateway  # noqa: E402
 from rlbus.rollout.gateway_anthropic import parse, to_chat  # noqa: E402
 from tests.polling import wait_until  # noqa: E402
+from tests.unit.rollout.conftest import Scripted  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,35 +30,6 @@ CHAT_TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "a + b", "parameters": TOOLS[0]["input_schema"]}}]
 USE = {"type": "tool_use", "id": "call_1", "name": "add", "input": {"a": 1}}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
-
-
-class Scripted:
-    """A policy that answers each call with the next scripted text (and its eos)."""
-
-    def __init__(self, tokenizer, replies: list[str]) -> None:
-        self.tok, self.replies = tokenizer, list(replies)
-        self.contexts: list[list[int]] = []
-        self.gate = asyncio.Event()  # a test clears it to hold a call in flight
-        self.gate.set()
-
-    async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
-        self.contexts.append(list(input_ids))
-        await self.gate.wait()
-        ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False)
-        return Generation([*ids, self.tok.eos_token_id], [-0.5] * (len(ids) + 1), 7)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
-
-
-@pytest.fixture
-async def gateway():
-    g = Gateway("policy")
-    await g.start()
-    yield g
-    await g.stop()
 
 
 def _base_url(g: Gateway, sid: str) -> str:

@@ -11,15 +11,13 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from transformers import AutoTokenizer
 
 from rlbus.api import Generation
-from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling
 from rlbus.rollout.gateway import Gateway
 from rlbus.rollout.gateway_responses import stream_events
 from tests.polling import wait_until
-from tests.unit.rollout.test_gateway import Scripted
+from tests.unit.rollout.conftest import Scripted
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +29,6 @@ ADD_TOOL = {"type": "function", "name": "add", "description": "a + b",
             "parameters": ADD_PARAMETERS}
 ADD_CHAT_TOOL = {"type": "function", "function": {"name": "add", "description": "a + b",
                                                   "parameters": ADD_PARAMETERS}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
-
-
-@pytest.fixture
-async def gateway():
-    g = Gateway("policy")
-    await g.start()
-    yield g
-    await g.stop()
 
 
 @pytest.fixture

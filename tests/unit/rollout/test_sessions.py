@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
-from rlbus.learner.chat_model import build_chat_model
 from rlbus.messages import Sampling
 from rlbus.rollout.sessions import ChatRequest, GatewayCode, GatewayError, Session
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(build_chat_model(tmp_path_factory.mktemp("chat")))
 
 
 def _session(tokenizer) -> Session:  # strict: a call that does not extend the history fails
