@@ -9,6 +9,7 @@
    the cluster) must pass.
 3. KEDA scales the reward tier on its own group's lag: from 0 to the partition count (never
    past it) when trajectories pile up, and back to 0 once the members have scored them all.
+4. The bundled KRaft broker (kafka.bundled.enabled): a short training through it.
 
 Needs root, Docker, and what `make k8s-test` builds (scripts/k8s_env.sh, scripts/helm.sh,
 scripts/k8s_images.sh; it passes their outputs as RLBUS_K8S_BIN and RLBUS_HELM). Outside
@@ -30,12 +31,13 @@ from typing import Any
 import pytest
 import yaml
 
+from rlbus.ops.broker import KAFKA_VERSION
 from rlbus.ops.demo import RECIPE
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics
 from rlbus.transport import KafkaBus, admin_client
 from tests import factories
-from tests.k8s.cluster import PAUSE_IMAGE, Cluster, wait_for
+from tests.k8s.cluster import PAUSE_IMAGE, Cluster, free_port, wait_for
 from tests.k8s.conftest import CHART, VALUES, run_helm
 from tests.support.ledger import check_ledger, expected_episodes, load_ledger
 
@@ -315,4 +317,49 @@ def test_keda_scales_the_reward_tier_on_its_own_lag(
     print(json.dumps({"replicas_seen": sorted(set(seen)), "timings_s": timings}), flush=True)
     assert max(seen) == partitions  # the ceiling: never more members than partitions
     assert group_lag(kafka_bootstrap, f"{prefix}.reward", topic) == 0
+    helm_cmd(helm, cluster, "uninstall", release, "-n", NAMESPACE, "--wait", timeout=300)
+
+
+# -- 4. the bundled broker ---------------------------------------------------------------------
+
+
+def test_a_short_run_on_the_bundled_broker(cluster: Cluster, helm: str):
+    """kafka.bundled.enabled: the KRaft StatefulSet of the chart (here the offline stand-in
+    for apache/kafka that tests/compose builds, which reads the same KAFKA_* variables),
+    topics from each tier's init container, a short training through it."""
+    kafka_image = f"rlbus-local/kafka:{KAFKA_VERSION}"
+    if subprocess.run(["docker", "image", "inspect", kafka_image], capture_output=True,
+                      check=False).returncode != 0:
+        missing(f"no image {kafka_image}: scripts/compose_env.sh builds it")
+    cluster.import_image(kafka_image)
+    release, steps = "bundled", 20
+    host_volume(cluster, f"data-{release}-rlbus-kafka-0", "ReadWriteOnce")
+    host_volume(cluster, f"{release}-weights", "ReadWriteMany")
+    learner_dir = host_volume(cluster, f"checkpoint-{release}-rlbus-learner-0", "ReadWriteOnce")
+    recipe = {**RECIPE, "RLBUS_MAX_STEPS": str(steps), "RLBUS_RUN_NAME": RUN_NAME,
+              "RLBUS_CHECKPOINT_EVERY": "10", "RLBUS_EVAL_EVERY": "0"}
+    repository, tag = kafka_image.split(":")
+    t0 = time.monotonic()
+    helm_cmd(helm, cluster, "install", release, str(CHART), "-n", NAMESPACE,
+             "-f", str(VALUES / "local-cluster.yaml"), "--set", "keda.enabled=false",
+             "--set", "kafka.bundled.enabled=true",
+             "--set", f"kafka.bundled.image.repository={repository}",
+             "--set", f"kafka.bundled.image.tag={tag}",
+             "--set", "kafka.bundled.image.pullPolicy=Never",
+             "--set", f"kafka.bundled.port={free_port()}",
+             "--set", f"kafka.bundled.controllerPort={free_port()}",
+             "--set", f"weights.existingClaim={release}-weights",
+             *[a for k, v in recipe.items() for a in ("--set-string", f"learner.env.{k}={v}")],
+             "--wait", "--timeout", "15m")
+    installed = round(time.monotonic() - t0, 1)
+    metrics = learner_dir / "metrics.jsonl"
+    wait_for(f"all {steps} steps", lambda: metrics_step(metrics) >= steps, 900, 2)
+    checkpoint = learner_dir / "checkpoint" / "checkpoint.pt"
+    wait_for("the final checkpoint", lambda: checkpoint.exists()
+             and len(load_ledger(checkpoint)) == steps, 300, 2)
+    check = check_ledger(load_ledger(checkpoint), expected_episodes(
+        RUN_NAME, steps * GROUPS_PER_STEP, GROUP_SIZE), GROUPS_PER_STEP * GROUP_SIZE)
+    print(json.dumps({"bundled": {"install_s": installed,
+                                  "trained_s": round(time.monotonic() - t0, 1)}}), flush=True)
+    check.assert_exactly_once()
     helm_cmd(helm, cluster, "uninstall", release, "-n", NAMESPACE, "--wait", timeout=300)
