@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -71,6 +72,9 @@ def cluster(helm: str) -> Iterator[Cluster]:
             missing(f"no image {image}: `make k8s-test` builds it (scripts/k8s_images.sh)")
     c = Cluster(bin_dir, containerd_root=CACHE / "k8s-containerd",
                 logs_to=CACHE / "k8s-test-logs")
+    # SIGTERM (a CI timeout, a Ctrl-C'd make) ends pytest without running finalizers: turn
+    # it into an exception here so that the daemons, containers and mounts still go.
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         c.start()
         for image in (PAUSE_IMAGE, IMAGE):
@@ -84,7 +88,12 @@ def cluster(helm: str) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+        signal.signal(signal.SIGTERM, previous)
         print("cluster phases (s):", json.dumps(c.timings), flush=True)
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"signal {signum}: stopping the test cluster")
 
 
 def helm_cmd(helm: str, cluster: Cluster, *args: str, timeout: float = 900) -> str:
