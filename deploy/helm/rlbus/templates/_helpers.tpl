@@ -27,7 +27,7 @@ app.kubernetes.io/component: {{ .part }}
 
 {{/*
 The topic catalogue and consumer groups, by the rules of the code: a topic is
-<prefix>.<name> (rlbus.topics.Topics), a tier's group <prefix>.<tier> (rlbus.service.default_group).
+<prefix>.<name> (rlbus.topics.Topics), a tier's group <prefix>.<tier> (rlbus.acl.group_name).
 `rlbus k8s names` prints what the code makes of a prefix; tests/k8s/test_chart.py holds the
 rendered ScaledObjects and RLBUS_GROUP variables to it.
 */}}
