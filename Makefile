@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
 .PHONY: demo test unit integration lint loadtest up down install jars java bwrap clean vllm-env \
-        compose-test
+        compose-test k8s-test
 
 install: $(STAMP) bwrap
 
@@ -72,6 +72,19 @@ compose-test: jars
 	  compose=$$(bash scripts/compose_env.sh) && \
 	  COMPOSE_CMD=$$compose $(BIN)/pytest tests/compose -m docker -s $(PYTEST_ARGS); \
 	fi
+
+# The Helm chart (deploy/helm/rlbus) for real: helm lint/template over tests/k8s/values, every
+# rendered object validated by a real API server with KEDA's CRDs, then a one-node cluster of
+# host processes (etcd, apiserver, controller-manager, scheduler, containerd, kubelet, KEDA):
+# `helm install`, training with rollout scaled to 2 and members killed, KEDA scaling on lag.
+# Builds Helm, Kubernetes and KEDA from Go modules into ~/.cache/rlbus (about 20 min of CPU
+# cold, seconds warm) and the images with Docker (scripts/compose_env.sh); needs root. Not
+# part of `make test`. Measured times: docs/kubernetes.md.
+k8s-test: jars
+	helm=$$(bash scripts/helm.sh --path) && bin=$$(bash scripts/k8s_env.sh) && \
+	  bash scripts/k8s_images.sh && \
+	  RLBUS_HELM=$$helm RLBUS_K8S_BIN=$$bin RLBUS_K8S_REQUIRED=1 \
+	  $(BIN)/pytest tests/k8s -m k8s -s $(PYTEST_ARGS)
 
 demo: jars
 	$(BIN)/rlbus demo

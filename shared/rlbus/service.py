@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from typing import Any, ClassVar, Generic, TypeVar
 
 from rlbus import acl, telemetry
+from rlbus.health import HealthServer
 from rlbus.settings import ServiceSettings
 from rlbus.topics import Topics
 from rlbus.transport import Bus, KafkaBus
@@ -53,6 +54,8 @@ class Service(ABC, Generic[S]):
         # Set once setup is done and the main loop starts ("ready" in the log): what a test or
         # an embedding program waits on instead of sleeping for a service to come up.
         self.ready = asyncio.Event()
+        # /ready answers from the same state: ready and not asked to stop (draining).
+        self.health = HealthServer(lambda: self.ready.is_set() and not self.stopping)
 
     # -- what subclasses provide
 
@@ -153,6 +156,9 @@ class Service(ABC, Generic[S]):
     async def run(self) -> dict[str, Any]:
         """setup → main until stopped → drain → close. Returns the summary."""
         try:
+            await self.health.start(
+                port=self.settings.health_port, socket=self.settings.health_socket
+            )
             await self.check_access()
             await self.setup()
             log.info("%s ready", self.member)
@@ -194,6 +200,7 @@ class Service(ABC, Generic[S]):
             await self.close()
         except Exception:
             log.exception("%s close failed", self.member)
+        await self.health.close()
         log.info("%s", self.summary_line())
 
     def summary(self) -> dict[str, Any]:

@@ -282,6 +282,12 @@ class ServiceSettings(BaseSettings):
     """Stop after this many seconds without input (bounded runs for tests)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long to finish in-flight work before giving it back."""
+    health_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve ``GET /ready`` and ``/live`` on this TCP port, all interfaces, for an
+    orchestrator's probes (:mod:`rlbus.health`); off when unset."""
+    health_socket: Path | None = None
+    """The same on a unix socket at this path: for pods on the host network, where replicas
+    on one node would all want one port (probe: ``python -m rlbus.health ready``)."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop: uvloop (faster per message; docs/performance.md) where it is
     installed (not on Windows, which falls back to asyncio's own) and Kafka is not spoken

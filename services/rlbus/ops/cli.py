@@ -10,6 +10,7 @@ rlbus replay TOPIC              print (or re-publish) messages of a topic
 rlbus trace EPISODE_ID          one episode's messages across topics, turn by turn
 rlbus status                    lag and throughput per topic and consumer group
 rlbus broker start|stop|status  a local Kafka broker (no Docker needed; --secure: ACLs)
+rlbus k8s names                 topic and consumer-group names the Helm chart renders
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
 
     broker = sub.add_parser("broker", help="local Kafka broker: start|stop|status")
     broker.add_argument("args", nargs=argparse.REMAINDER)
+
+    k8s = sub.add_parser("k8s", help="Kubernetes: the names deploy/helm/rlbus must render")
+    k8s.add_argument("action", choices=("names",))
+    k8s.add_argument("--prefix", help="topic prefix (default RLBUS_TOPICS__PREFIX or rlbus)")
+    k8s.add_argument("--partitions", type=int, help="partitions of the work topics")
     return p
 
 
@@ -201,6 +207,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return asyncio.run(status_command(s.kafka, Topics(s.topics), args.once, args.interval))
         except KeyboardInterrupt:  # how a live status ends
             return 0
+    if args.command == "k8s":
+        from rlbus.ops.k8s import k8s_command
+
+        return k8s_command(args.action, args.prefix, args.partitions)
     if args.command == "demo":
         from rlbus.ops.demo import demo_command
 
