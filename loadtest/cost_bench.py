@@ -22,8 +22,8 @@ each half observation, half completion with its logprobs):
 
 **Weights** of about 10 MB, 100 MB and 1 GB (fp32 parameters of a plain stack of
 ``nn.Linear`` layers), the median of ``--repeats`` rounds by total time: the learner's
-``save_weights`` (its sha256 call timed in place, :func:`hash_timer`; the write is the
-rest, with the rename and the pruning of the previous version), the WeightVersion send and
+``save_weights`` (the write and its checksum in one pass, with the rename and the pruning of
+the previous version), the WeightVersion send and
 its arrival at a consumer, and the reader's side as the hf engine does it
 (``verified_weights``, then ``safetensors.torch.load_model`` into a same-shaped module of
 zeros). Files go to a temporary folder that is deleted; the file is in the page cache when
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -391,42 +390,19 @@ async def one_round(model: Any, folder: Path, version: int, producer: Producer,
     """The learner's side, the event, then the replica's side, each timed."""
     from safetensors.torch import load_model
 
-    from rlbus.client import tensors
     from rlbus.learner import store
     from rlbus.weights import verified_weights
 
-    with hash_timer(tensors) as hashes:  # the module of the writer save_weights uses
-        saved_s, (path, digest) = _timed(store.save_weights, model, folder, version, 1)
+    saved_s, (path, digest) = _timed(store.save_weights, model, folder, version, 1)
     event = WeightVersion(model="cost", version=version, uri=str(path), checksum=digest, step=0)
     sent_s, arrived_s = await publish(producer, events, topic, event)
     twin = _twin(model)
     verify_s, file = _timed(verified_weights, event.uri, event.checksum)
     load_s, _ = _timed(load_model, twin, str(file))
-    return {"bytes": file.stat().st_size, "save_s": saved_s, "hash_s": sum(hashes),
-            "write_s": saved_s - sum(hashes), "send_s": sent_s, "arrive_s": arrived_s,
-            "verify_s": verify_s, "load_s": load_s, "loaded_equal": _equal(model, twin),
+    return {"bytes": file.stat().st_size, "save_s": saved_s, "send_s": sent_s,
+            "arrive_s": arrived_s, "verify_s": verify_s, "load_s": load_s,
+            "loaded_equal": _equal(model, twin),
             "total_s": saved_s + arrived_s + verify_s + load_s}
-
-
-@contextlib.contextmanager
-def hash_timer(store: Any) -> Iterator[list[float]]:
-    """Seconds of each ``sha256_file`` call the weight writer's module ``store`` makes
-    inside the block: the hash of ``save_weights`` timed apart from its write, with the
-    writer's own code."""
-    original, seconds = store.sha256_file, []
-
-    def timed(path: Path) -> str:
-        t0 = time.perf_counter()
-        try:
-            return str(original(path))
-        finally:
-            seconds.append(time.perf_counter() - t0)
-
-    store.sha256_file = timed
-    try:
-        yield seconds
-    finally:
-        store.sha256_file = original
 
 
 def _twin(model: Any) -> Any:
@@ -517,14 +493,14 @@ def weight_table(part: dict[str, Any]) -> str:
     for r in part["rows"]:
         mb = r["bytes"] / 1e6
         rows.append([
-            f"{mb:.0f}", f"{r['write_s']:.3f}", f"{r['hash_s']:.3f} ({mb / r['hash_s']:.0f})",
+            f"{mb:.0f}", f"{r['save_s']:.3f} ({mb / r['save_s']:.0f})",
             f"{1e3 * r['send_s']:.1f}", f"{1e3 * r['arrive_s']:.1f}",
             f"{r['verify_s']:.3f}", f"{r['load_s']:.3f} ({mb / r['load_s']:.0f})",
             f"{r['total_s']:.2f}", str(r["loaded_equal"]),
         ])
     return "\n".join([
         "weight publication: seconds (MB/s); the round of median total time",
-        report.table(["MB", "write s", "sha256 s", "send ms", "arrive ms", "verify s",
+        report.table(["MB", "save s (write + checksum)", "send ms", "arrive ms", "verify s",
                       "load s", "total s", "loaded = saved"], rows),
     ])
 
