@@ -416,6 +416,19 @@ class ScoredTrajectory(Message):
         return v
 
 
+class LoraAdapter(BaseModel):
+    """The shape of a LoRA adapter (:attr:`WeightVersion.adapter`): what the served base
+    model must fit. The adapter folder's ``adapter_config.json`` (PEFT's format, which peft
+    and vLLM read) must say the same; an engine checks both before loading."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    target_modules: list[str] = Field(min_length=1)
+    """The module names the adapter wraps (PEFT's resolved list, e.g. ``q_proj``)."""
+
+
 class WeightVersion(Message):
     """learner → every inference replica, and the learner itself on restart (compacted, keyed
     by model). Rollout does not read it: the staleness gate is at inference.
@@ -437,6 +450,13 @@ class WeightVersion(Message):
     samples_masked: dict[str, int] = {}
     """Episodes that reached the learner and were masked up to this step, by cause
     (:data:`MASK_CAUSES`)."""
+    adapter: LoraAdapter | None = None
+    """None: ``uri`` holds the full weights (``model.safetensors``). Set: ``uri`` is a PEFT
+    adapter folder (``adapter_model.safetensors`` and ``adapter_config.json``) to serve over
+    the base model the member started from (``RLBUS_MODEL_PATH``); ``checksum`` is that of
+    ``adapter_model.safetensors``. Each version's adapter is whole, not a delta: it replaces
+    the one served before. One that does not fit the base model is a dead letter, and the
+    member goes on serving what it served."""
 
 
 class WeightsServed(Message):

@@ -31,6 +31,9 @@ from rlbus.errors import (
 from rlbus.errors import WeightsOutsideStoreError as WeightsOutsideStoreError
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+"""A LoRA version's tensors (PEFT's name), next to ``adapter_config.json``."""
+ADAPTER_CONFIG = "adapter_config.json"
 
 ChecksumAlgorithm = Literal["sha256", "xxh3_128"]
 CHUNK = 16 << 20
