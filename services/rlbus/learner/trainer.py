@@ -162,7 +162,10 @@ class Trainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=lr,
             weight_decay=cfg.weight_decay
         )
-        self.scorer: nn.Module = _Scorer(self.model, cfg)
+        # with LoRA, the model peft wrapped (its layers hold the adapter now): the scorer
+        # needs a Hugging Face model's own attributes, which PeftModel hides
+        scored = self.model if self.adapter is None else self.model.get_base_model()
+        self.scorer: nn.Module = _Scorer(scored, cfg)
         self.correction = Correction.of(cfg.off_policy)
         self._replicated = self.world.size == 1
 
