@@ -58,6 +58,8 @@ class Demo:
     vllm_python: str | None = None
     secure: bool = False
     """A local broker with TLS, a SCRAM user per role and ACLs; each service its own user."""
+    lora: int = 0
+    """The learner trains a LoRA adapter of this rank (0: the whole model)."""
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -141,6 +143,7 @@ class Demo:
                 **settings_env(max_steps=self.steps, checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
                 **tracking_env(),
+                **({"RLBUS_LORA__RANK": str(self.lora)} if self.lora else {}),
             },
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
@@ -224,6 +227,7 @@ def demo_command(args: argparse.Namespace) -> int:
         size=args.size or ("h64" if args.engine == "vllm" else "tiny"),
         vllm_python=_vllm_python(args) if args.engine == "vllm" else None,
         secure=args.secure,
+        lora=args.lora,
     )
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
@@ -249,7 +253,7 @@ def report(demo: Demo, reason: str) -> int:
 
     rows = read_metrics(demo.metrics)
     summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)
-    summary |= {"engine": demo.engine, "model_size": demo.size}
+    summary |= {"engine": demo.engine, "model_size": demo.size, "lora_rank": demo.lora}
     (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plot(rows, demo.run_dir / "reward_curve.png")
