@@ -43,6 +43,10 @@ RECIPE: dict[str, Any] = {
     "RLBUS_EVAL_EPISODES": "128",
 }
 DEFAULT_STEPS = 4800
+LORA_EMBEDDING_STD = 0.2
+"""``--lora``: the demo model's embedding init std (10x the config's; see
+:func:`rlbus.learner.tiny_model.build_tiny_model`), so that a frozen head can express a
+sharp policy."""
 
 
 @dataclass
@@ -87,7 +91,9 @@ class Demo:
             from rlbus.learner.tiny_model import build_tiny_model
 
             transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
-            build_tiny_model(model, size=self.size)
+            # LoRA trains neither the embedding nor the tied head: they get a wider init
+            build_tiny_model(model, size=self.size,
+                             embedding_std=LORA_EMBEDDING_STD if self.lora else None)
         self.model = model
         topics = TopicSettings(prefix=f"demo-{self.run_dir.name}", partitions=4,
                                result_partitions=4)
