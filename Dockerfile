@@ -68,8 +68,11 @@ WORKDIR /app
 FROM base AS requirements
 
 COPY pyproject.toml ./
+# with the lora extra (peft, pure Python, under 1 MB with accelerate): the learner trains
+# and the hf engine serves LoRA adapters in either image (RLBUS_LORA__RANK)
 RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-print(*p["dependencies"], sep="\n")' > /tmp/requirements.txt \
+print(*p["dependencies"], *p["optional-dependencies"]["lora"], sep="\n")' \
+    > /tmp/requirements.txt \
     && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 print(*p["optional-dependencies"]["vllm"], sep="\n")' > /tmp/requirements-vllm.txt \
     && grep -E '^torch($|[^a-zA-Z0-9._-])' /tmp/requirements.txt > /tmp/torch.txt

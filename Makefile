@@ -10,6 +10,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
+# flags of `rlbus demo`, e.g. make demo DEMO_ARGS="--lora 8"
+DEMO_ARGS ?=
 
 .PHONY: demo test unit integration lint loadtest up down install jars java bwrap clean vllm-env \
         compose-test k8s-test
@@ -87,7 +89,7 @@ k8s-test: jars
 	  $(BIN)/pytest tests/k8s -m k8s -s $(PYTEST_ARGS)
 
 demo: jars
-	$(BIN)/rlbus demo
+	$(BIN)/rlbus demo $(DEMO_ARGS)
 
 loadtest: jars
 	$(BIN)/python -m loadtest

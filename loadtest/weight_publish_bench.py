@@ -20,6 +20,13 @@ other work loads them alike:
   it into the model's own parameter (:mod:`rlbus.inference.weight_load`).
 - **new xxh3_128**: the same with ``RLBUS_WEIGHTS_CHECKSUM=xxh3_128``.
 
+- **LoRA r=N** (``--lora N``, default 16; 0: none): the learner publishes only a PEFT
+  adapter over every linear layer (``publish_weights(AdapterWeights)``: the same writer,
+  ``adapter_model.safetensors`` and ``adapter_config.json``); the member checks it against
+  its base model, verifies it and copies it into LoRA layers injected on the first version
+  (:meth:`HFEngine.load_adapter`; its "load" includes the verify). Measured after the other
+  arms, on a member of its own (a member serving an adapter serves no full weights).
+
 Models: a Qwen2 of ~1 GB in fp32 (``--mb``, built from a config: no download), then the
 demo's tiny Llama (``rlbus demo``) and the chat model (``build_chat_model``). Parts of each
 round are timed where they run: the write (learner), the member's verify and load; the rest
@@ -53,10 +60,17 @@ from rlbus.inference.engines import HFEngine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
 from rlbus.inference.weight_load import load_in_place
+from rlbus.messages import LoraAdapter
 from rlbus.settings import KafkaSettings, TopicSettings
 from rlbus.topics import Topics, ensure_topics
 from rlbus.transport import KafkaBus
-from rlbus.weights import WEIGHTS_FILE, sha256_file, verified_mapping, verified_weights
+from rlbus.weights import (
+    ADAPTER_FILE,
+    WEIGHTS_FILE,
+    sha256_file,
+    verified_mapping,
+    verified_weights,
+)
 
 ARMS = ("today", "new sha256", "new xxh3_128")
 
@@ -110,6 +124,11 @@ class BenchEngine(HFEngine):
     """The hf engine, loading by today's path or by the new one as the bench says."""
 
     path = "new"
+
+    async def load_adapter(self, uri: str, checksum: str, version: int,
+                           adapter: LoraAdapter) -> None:
+        with timed(TIMES, "load"):
+            await super().load_adapter(uri, checksum, version, adapter)
 
     async def load(self, uri: str, checksum: str, version: int) -> None:
         load = self.load_today if self.path == "today" else self.load_new
@@ -196,7 +215,8 @@ def optimizer_step(model: Any) -> None:
 
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(1e-3)
+            if p.requires_grad:  # a LoRA-wrapped model: the adapter alone
+                p.add_(1e-3)
 
 
 # --------------------------------------------------------------------------- the run
@@ -240,6 +260,55 @@ async def measure(bootstrap: str, folder: Path, name: str, repeats: int,
             "median": {arm: _medians(rows[arm]) for arm in ARMS}}
 
 
+async def measure_lora(bootstrap: str, folder: Path, name: str, repeats: int,
+                       store: Path, rank: int) -> dict[str, Any]:
+    """``repeats`` rounds of publishing a rank-``rank`` LoRA adapter of the model in
+    ``folder`` (all linear layers) to a member of its own, after a warm-up round (the
+    first version injects the LoRA layers)."""
+    from rlbus.learner import lora
+    from rlbus.learner.settings import LoraSettings
+
+    kafka = KafkaSettings(bootstrap=bootstrap)
+    topics = TopicSettings(prefix=f"wpbench-{uuid.uuid4().hex[:8]}", partitions=1,
+                           result_partitions=1)
+    await ensure_topics(kafka, topics)
+    common: dict[str, Any] = {"kafka": kafka, "topics": topics}
+    engine = BenchEngine(InferenceSettings(model_path=folder, engine="hf", weights_dir=store))
+    inference = Inference(InferenceSettings(**common, model_path=folder, weights_dir=store,
+                                            served_report_s=1.0),
+                          KafkaBus(kafka, dlq_topic=Topics(topics).dlq, service="inference"),
+                          engine)
+    served = asyncio.create_task(inference.run())
+    model, adapter = lora.wrap(learner_model(folder), LoraSettings(rank=rank))
+    client = await RolloutClient.connect(ClientSettings(
+        **common, model_path=folder, weights_dir=store, keep_weights=2))
+    arm = f"LoRA r={rank}"
+    rows: list[dict[str, float]] = []
+    try:
+        for r in range(repeats + 1):
+            optimizer_step(model)  # only the adapter's parameters are trainable
+            TIMES.clear()
+            with writer("new"):
+                t0 = time.perf_counter()
+                await client.publish_weights(lora.adapter_weights(model, adapter),
+                                             wait_served=True, timeout_s=300)
+                total = time.perf_counter() - t0
+            row = dict(TIMES, total=total)
+            row["announce â†’ served"] = total - row["write"] - row["load"]
+            if r:
+                rows.append(row)
+            say(f"{name} {arm} round {r}: {total:.3f}s")
+    finally:
+        await client.close()
+        inference.request_stop("bench over")
+        await served
+    file = store / f"v{client.version:06d}" / ADAPTER_FILE
+    return {"model": name, "params": sum(p.numel() for p in model.parameters()
+                                         if p.requires_grad),
+            "file_mb": file.stat().st_size / 1e6, "rounds": {arm: rows},
+            "median": {arm: _medians(rows)}}
+
+
 async def one_round(client: RolloutClient, engine: BenchEngine, model: Any,
                     arm: str) -> dict[str, float]:
     engine.path = "today" if arm == "today" else "new"
@@ -277,9 +346,8 @@ PARTS = ("write", "save_file", "sha256 on write", "verify", "load", "announce â†
 def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for res in results:
-        for arm in ARMS:
-            m = res["median"][arm]
-            rows.append([res["model"], f"{res['file_mb']:.0f}", arm,
+        for arm, m in res["median"].items():
+            rows.append([res["model"], f"{res['file_mb']:.3g}", arm,
                          *(f"{m[p]:.3f}" if p in m else "-" for p in PARTS)])
     return report.table(["model", "MB", "path", *PARTS], rows)
 
@@ -291,6 +359,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="counted rounds per arm")
     p.add_argument("--out", type=Path, help="output folder (default runs/weight-publish-<time>)")
     p.add_argument("--smoke", action="store_true", help="a small model, 1 round: the harness")
+    p.add_argument("--lora", type=int, default=16, metavar="RANK",
+                   help="also publish a LoRA adapter of this rank per model (0: none)")
+    p.add_argument("--lora-only", action="store_true",
+                   help="only the LoRA arm (the full-weights arms are left out)")
     p.add_argument("--store", type=Path, default=None,
                    help="where the weight store lies (default: the system's temporary "
                         "folder, on disk here; /dev/shm puts it in memory)")
@@ -321,17 +393,22 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="weight-publish-") as tmp:
             for name, folder in models(Path(tmp), args):
                 say(f"{name}: {repeats} rounds per arm")
-                with tempfile.TemporaryDirectory(prefix="weight-store-",
-                                                 dir=args.store) as store:
-                    results["rows"].append(asyncio.run(measure(bootstrap, folder, name,
-                                                               repeats, Path(store))))
+                if not args.lora_only:
+                    with tempfile.TemporaryDirectory(prefix="weight-store-",
+                                                     dir=args.store) as store:
+                        results["rows"].append(asyncio.run(measure(bootstrap, folder, name,
+                                                                   repeats, Path(store))))
+                if args.lora:
+                    with tempfile.TemporaryDirectory(prefix="weight-store-",
+                                                     dir=args.store) as store:
+                        results["rows"].append(asyncio.run(measure_lora(
+                            bootstrap, folder, name, repeats, Path(store), args.lora)))
                 report.write_json(out, results, "weight_publish.json")
     finally:
         if cluster is not None:
             cluster.stop()
     results["loadavg_after"] = list(os.getloadavg())
-    print("seconds, median of the counted rounds per arm (" + ", ".join(
-        f"{k}" for k in ARMS) + ")")
+    print("seconds, median of the counted rounds per arm")
     print(table(results["rows"]))
     print(f"load average before {results['machine']['loadavg']}, after "
           f"{results['loadavg_after']}")

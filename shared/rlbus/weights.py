@@ -94,9 +94,15 @@ def sha256_file(path: Path) -> str:
 
 
 def weights_file(uri: str) -> Path:
-    """The safetensors file of a weight-store entry (a folder or the file itself)."""
+    """The safetensors file of a weight-store entry (a folder or the file itself): a
+    folder's ``model.safetensors``, or its ``adapter_model.safetensors`` in a LoRA
+    adapter's folder (which has no full weights)."""
     path = Path(uri.removeprefix("file://"))
-    return path / WEIGHTS_FILE if path.is_dir() else path
+    if not path.is_dir():
+        return path
+    if not (path / WEIGHTS_FILE).exists() and (path / ADAPTER_FILE).exists():
+        return path / ADAPTER_FILE
+    return path / WEIGHTS_FILE
 
 
 def verified_weights(uri: str, checksum: str) -> Path:

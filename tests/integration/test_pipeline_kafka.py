@@ -54,3 +54,26 @@ async def test_short_run_trains_every_group_once_and_inference_loads_weights(
         assert published == [1, 2]
     finally:
         await bus.close()
+
+
+async def test_a_lora_run_publishes_adapters_that_inference_serves(
+    kafka_bootstrap, unique_name, tiny_model, tmp_path
+):
+    kafka = KafkaSettings(bootstrap=kafka_bootstrap, request_timeout_s=20)
+    topics = TopicSettings(prefix=unique_name("lora"), partitions=1, result_partitions=1)
+    await ensure_topics(kafka, topics)
+    common = {"kafka": kafka, "topics": topics}
+    s = settings(tiny_model, tmp_path, common, max_staleness=0, max_steps=2,
+                 lora={"rank": 4})
+    out = await run_pipeline(s, bus_factory(KafkaBus, kafka=kafka, dlq_topic=Topics(topics).dlq))
+    learner, (inference, _, _) = out["learner"], out["others"]
+
+    assert learner.step == 2
+    # max_staleness 0: step 2 trained on episodes sampled by v1, base + the first adapter
+    assert inference.engine.version >= 1 and inference.engine.adapter == learner.trainer.adapter
+    assert inference.counters.get("refused_weights", 0) == 0
+    newest = tmp_path / "weights" / "v000002"
+    assert sorted(p.name for p in newest.iterdir()) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["publish_bytes"] == (newest / "adapter_model.safetensors").stat().st_size

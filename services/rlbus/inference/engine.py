@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from rlbus.messages import FinishReason, Sampling
+from rlbus.errors import WeightsMismatchError
+from rlbus.messages import FinishReason, LoraAdapter, Sampling
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class Engine(ABC):
     @abstractmethod
     async def load(self, uri: str, checksum: str, version: int) -> None:
         """Replace the weights (between batches)."""
+
+    async def load_adapter(self, uri: str, checksum: str, version: int,
+                           adapter: LoraAdapter) -> None:
+        """Serve the base model plus the LoRA adapter folder ``uri`` (between batches),
+        replacing the adapter served before; one that does not fit the base model is a
+        :class:`~rlbus.errors.WeightsMismatchError` and changes nothing. This engine serves
+        no adapters: every one is refused."""
+        raise WeightsMismatchError(f"adapter v{version}: the {type(self).__name__} serves no "
+                                   "LoRA adapters")
 
     async def close(self) -> None:
         return None

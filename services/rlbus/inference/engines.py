@@ -23,17 +23,21 @@ import inspect
 import logging
 import math
 import random
+import struct
 import sys
 import threading
 import zlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+from rlbus.errors import WeightsMismatchError
+from rlbus.inference.adapters import adapter_problems, read_adapter
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.settings import InferenceSettings
-from rlbus.inference.weight_load import load_in_place
-from rlbus.messages import Sampling, spans_of
-from rlbus.weights import verified_mapping
+from rlbus.inference.weight_load import adapter_plan, copy_in, load_in_place
+from rlbus.messages import LoraAdapter, Sampling, spans_of
+from rlbus.weights import safetensors_index, verified_mapping
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,9 @@ class HFEngine(Engine):
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids) or None,
             return_dict_in_generate=True, output_scores=True)
         self.model.generation_config = self._base  # generate() merges in its unset fields
+        self.adapter: LoraAdapter | None = None
+        """The LoRA adapter shape served (None: the plain model)."""
+        self._linears: dict[str, tuple[int, int]] | None = None
         self.inflight_updates = settings.inflight_updates
         self.inflight_kv = settings.inflight_kv
         # In-flight updates: a decode step runs holding _step; a holder of step_boundary
@@ -228,6 +235,59 @@ class HFEngine(Engine):
     async def load(self, uri: str, checksum: str, version: int) -> None:
         await asyncio.to_thread(self._load_verified, uri, checksum)
         self.version = version
+
+    async def load_adapter(self, uri: str, checksum: str, version: int,
+                           adapter: LoraAdapter) -> None:
+        await asyncio.to_thread(self._load_adapter, uri, checksum, version, adapter)
+        self.version = version
+
+    def _load_adapter(self, uri: str, checksum: str, version: int, adapter: LoraAdapter) -> None:
+        """Check the adapter folder against the message and the base model, verify its
+        file, then copy its tensors into the LoRA layers: injected (through peft) the first
+        time, the same ones every later version (no re-wrapping, no new memory). An adapter
+        of another shape than the one served is refused: the learner's shape is fixed for
+        its run."""
+        try:
+            config, specs = read_adapter(Path(uri.removeprefix("file://")))
+        except (ValueError, struct.error) as exc:  # not JSON, not safetensors
+            raise WeightsMismatchError(f"adapter v{version}: unreadable: {exc}") from None
+        problems = adapter_problems(config, specs, adapter, self._linear_shapes())
+        if self.adapter is not None and adapter != self.adapter:
+            problems.append(f"its shape {adapter} is not the served adapter's {self.adapter}")
+        if problems:
+            raise WeightsMismatchError(f"adapter v{version} does not fit the served model: "
+                                       + "; ".join(problems[:8]))
+        mapping = verified_mapping(uri, checksum)
+        try:
+            index = safetensors_index(mapping, uri)
+            if self.adapter is None:
+                self._inject(adapter)
+            copy_in(adapter_plan(self.model, index, uri), mapping)
+        finally:
+            mapping.close()
+        self.adapter = adapter
+
+    def _linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of the base model, but its output head
+        (the layers PEFT's ``all-linear`` wraps); the base layer of one peft wrapped."""
+        if self._linears is None:
+            head = self.model.get_output_embeddings()
+            nn = self.torch.nn
+            self._linears = {name.removesuffix(".base_layer"): (m.in_features, m.out_features)
+                             for name, m in self.model.named_modules()
+                             if isinstance(m, nn.Linear) and m is not head
+                             and ".lora_" not in name}
+        return self._linears
+
+    def _inject(self, adapter: LoraAdapter) -> None:
+        """LoRA layers of ``adapter``'s shape in the served model, in place (the model
+        keeps its class: generate and the in-flight decode loop run as they did)."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
+                            target_modules=list(adapter.target_modules), lora_dropout=0.0)
+        inject_adapter_in_model(config, self.model)
+        self.model.eval()
 
     def _load_verified(self, uri: str, checksum: str) -> None:
         """Map the file, verify the mapping, copy it into the model's own parameters

@@ -59,6 +59,7 @@ class Inference(Service[InferenceSettings]):
         super().__init__(settings, bus)
         self.engine = engine
         self._latest: WeightVersion | None = None
+        self._latest_delivery: Delivery[WeightVersion] | None = None
         self._new_weights = asyncio.Event()
         self._refused = -1  # newest version whose files failed verification
         self._refused_error: str | None = None
@@ -107,7 +108,7 @@ class Inference(Service[InferenceSettings]):
                 await self.weights.reject(d, refusal)
                 self.bump("weights_outside_store")
             elif self._latest is None or w.version > self._latest.version:
-                self._latest = w
+                self._latest, self._latest_delivery = w, d
                 self._new_weights.set()
 
     def _outside_store(self, w: WeightVersion) -> Refusal | None:
@@ -134,13 +135,21 @@ class Inference(Service[InferenceSettings]):
         t0 = time.perf_counter()
         try:
             async with self.engine.step_boundary():  # a no-op unless in-flight updates
-                await self.engine.load(w.uri, w.checksum, w.version)
+                if w.adapter is not None:
+                    await self.engine.load_adapter(w.uri, w.checksum, w.version, w.adapter)
+                else:
+                    await self.engine.load(w.uri, w.checksum, w.version)
         except (ChecksumMismatchError, WeightsMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
             self._refused, self._refused_error = w.version, str(exc)
             self._served_changed.set()
             self.bump("refused_weights")
+            delivery = self._latest_delivery
+            if (w.adapter is not None and isinstance(exc, WeightsMismatchError)
+                    and delivery is not None and delivery.message is w):
+                # an adapter that does not fit the base model never will: a dead letter
+                await self.weights.reject(delivery, exc.refusal)
             return
         self._served_changed.set()
         self.bump("reloads")

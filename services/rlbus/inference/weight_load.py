@@ -29,14 +29,8 @@ def load_in_place(model: Any, mapping: mmap.mmap, name: str = "weights") -> None
     Every parameter must be in the file (tied ones under any one of their names) and
     every tensor of the file must be a parameter of that shape: else
     :class:`~rlbus.errors.WeightsMismatchError`, and nothing is copied."""
-    import torch
 
-    plan = copy_plan(model, safetensors_index(mapping, name), name)
-    with torch.no_grad():
-        for target, entry in plan:
-            source = _tensor(mapping, entry)
-            target.copy_(source)
-            del source  # the view pins the mapping until it goes
+    copy_in(copy_plan(model, safetensors_index(mapping, name), name), mapping)
 
 
 def copy_plan(model: Any, index: dict[str, Entry], name: str) -> list[tuple[Any, Entry]]:
@@ -89,3 +83,42 @@ def _tensor(mapping: mmap.mmap, entry: Entry) -> Any:
         warnings.simplefilter("ignore")  # a copy-on-write mapping; torch never writes to it
         flat = torch.frombuffer(buffer, dtype=dtype, count=count // itemsize, offset=offset)
     return flat.view(entry.shape)
+
+
+def adapter_plan(model: Any, index: dict[str, Entry], name: str,
+                 adapter_name: str = "default") -> list[tuple[Any, Entry]]:
+    """(target tensor, file entry) per tensor of a PEFT adapter file (``base_model.model.P.
+    lora_A.weight``) over the LoRA layers injected into ``model`` (``P.lora_A.<adapter_name>
+    .weight``); every injected LoRA tensor must be in the file, at its shape, else
+    :class:`~rlbus.errors.WeightsMismatchError` before any copy."""
+    params = {key: t for key, t in model.state_dict(keep_vars=True).items()
+              if f".lora_A.{adapter_name}." in key or f".lora_B.{adapter_name}." in key}
+    plan, problems, seen = [], [], set()
+    for key, entry in index.items():
+        path, _, leaf = key.removeprefix("base_model.model.").rpartition(".")
+        module, _, kind = path.rpartition(".")
+        target = params.get(f"{module}.{kind}.{adapter_name}.{leaf}")
+        if target is None:
+            problems.append(f"{key}: no such LoRA tensor in the served model")
+        elif entry.shape != tuple(target.shape):
+            problems.append(f"{key}: shape {list(entry.shape)}, the model has "
+                            f"{list(target.shape)}")
+        else:
+            plan.append((target, entry))
+            seen.add(f"{module}.{kind}.{adapter_name}.{leaf}")
+    problems += [f"{key}: missing" for key in sorted(params.keys() - seen)]
+    if problems:
+        raise WeightsMismatchError(f"{name} does not fit the served adapter: "
+                                   + "; ".join(problems[:8]))
+    return plan
+
+
+def copy_in(plan: list[tuple[Any, Entry]], mapping: mmap.mmap) -> None:
+    """Copy each entry of ``mapping`` into its target tensor (see :func:`load_in_place`)."""
+    import torch
+
+    with torch.no_grad():
+        for target, entry in plan:
+            source = _tensor(mapping, entry)
+            target.copy_(source)
+            del source  # the view pins the mapping until it goes

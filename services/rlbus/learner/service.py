@@ -55,6 +55,7 @@ from rlbus.tracking.base import Destination, flatten, require
 from rlbus.tracking.composite import Composite, open_tracker
 from rlbus.tracking.wandb_sink import wandb_mode
 from rlbus.transport import Bus
+from rlbus.weights import weights_file
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Learner(Service[LearnerSettings]):
         self._t0 = time.monotonic()
         self._last_row_t = self._t0  # throughput: per interval between two steps' rows
         self._publish_s = 0.0
+        self._publish_bytes = 0
         self._episodes_trained = 0
         self._masked = dict.fromkeys(MASK_CAUSES, 0)  # episodes masked so far, by cause
         self.ledger: list[list[str]] = []  # per step: the episode ids it trained on
@@ -305,6 +307,8 @@ class Learner(Service[LearnerSettings]):
             samples_masked=self._masked)
         self._publish_s = time.perf_counter() - t0
         self.version = event.version
+        if event.checksum:  # what the version's file weighs (a LoRA adapter's: its own)
+            self._publish_bytes = weights_file(event.uri).stat().st_size
 
     async def _checkpoint(self) -> None:
         # the prompts sent so far count as sent: a restart does not send them again
@@ -342,6 +346,7 @@ class Learner(Service[LearnerSettings]):
             **stats.row(),
             "waited_s": waited_s,
             "publish_s": round(self._publish_s, 4),
+            "publish_bytes": self._publish_bytes,
             # the learner's throughput since the previous step's row (waiting included)
             "episodes_per_s": round(stats.masks.trained / interval, 3),
             "tokens_per_s": round(stats.tokens / interval, 3),

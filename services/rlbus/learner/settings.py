@@ -53,6 +53,40 @@ class OffPolicySettings(BaseModel):
         return self
 
 
+class LoraSettings(BaseModel):
+    """Train a LoRA adapter instead of the whole model (``RLBUS_LORA__*``; docs/lora.md).
+    The base weights stay frozen; each publish sends only the adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int | None = Field(default=None, ge=0)
+    """The adapter's rank r; 0 or None: LoRA off, the whole model trains."""
+    alpha: float | None = Field(default=None, gt=0)
+    """LoRA's alpha (the update is scaled by alpha / rank); None: 2 x rank, so the scale
+    stays 2 whatever the rank and a rank change does not need a new learning rate."""
+    target_modules: Annotated[list[str], NoDecode] = ["all-linear"]
+    """Module names the adapter wraps (a comma list, e.g. q_proj,v_proj); ``all-linear``
+    (PEFT's): every linear layer but the output head."""
+    lr: float | None = Field(default=None, gt=0)
+    """The adapter's AdamW learning rate; None: 10 x ``lr`` (LoRA trains few parameters
+    from a zero start and wants a larger step than full fine-tuning, about 10x in the
+    LoRA papers' and the RL peers' recipes)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _module_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list | tuple):
+            return list(dict.fromkeys(str(v).strip() for v in value if str(v).strip()))
+        return value
+
+
 class LearnerSettings(ServiceSettings):
     """The learner: GRPO on scored trajectories, weight publication and the prompt feeder."""
 
@@ -148,6 +182,8 @@ class LearnerSettings(ServiceSettings):
     off_policy: OffPolicySettings = OffPolicySettings()
     """The off-policy correction of the loss (``RLBUS_OFF_POLICY__MODE`` etc.; default
     none: the one ratio against the behaviour logprobs)."""
+    lora: LoraSettings = LoraSettings()
+    """Train a LoRA adapter (``RLBUS_LORA__RANK`` etc.; default off: the whole model)."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss minus this times the token-mean policy entropy on completion
     tokens (0: off, and the entropy over the vocabulary is not computed at all)."""

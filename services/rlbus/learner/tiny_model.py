@@ -90,8 +90,12 @@ def _portable_tokenizer_class(folder: Path) -> None:
 
 
 def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0,
-                     words: Iterable[str] = ()) -> Path:
-    """Save a random-init Llama and its tokenizer (with ``words`` added) to `folder`."""
+                     words: Iterable[str] = (), embedding_std: float | None = None) -> Path:
+    """Save a random-init Llama and its tokenizer (with ``words`` added) to `folder`.
+    ``embedding_std``: the (tied) embedding's init std instead of the config's 0.02: a
+    LoRA adapter trains neither the embedding nor the output head, and at 0.02 the head
+    keeps every logit within about ±1.3 of the others whatever the layers below do (the
+    final norm fixes the hidden state's length), so no adapter can make a sharp policy."""
     folder = Path(folder)
     tokenizer = build_tokenizer(folder, words)
     hidden, layers, heads, intermediate = SIZES[size]
@@ -108,15 +112,19 @@ def build_tiny_model(folder: str | Path, size: str = "tiny", seed: int = 0,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return save_random_init(LlamaForCausalLM, config, tokenizer, folder, seed)
+    return save_random_init(LlamaForCausalLM, config, tokenizer, folder, seed, embedding_std)
 
 
 def save_random_init(model_cls: Any, config: Any, tokenizer: Any, folder: Path,
-                     seed: int) -> Path:
-    """A random-init ``model_cls(config)`` (seeded), its generation config's pad/eos the
-    tokenizer's, saved to ``folder``; returns the folder."""
+                     seed: int, embedding_std: float | None = None) -> Path:
+    """A random-init ``model_cls(config)`` (seeded; the input embedding drawn with
+    ``embedding_std`` if given), its generation config's pad/eos the tokenizer's, saved to
+    ``folder``; returns the folder."""
     torch.manual_seed(seed)
     model = model_cls(config)
+    if embedding_std is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(str(folder))

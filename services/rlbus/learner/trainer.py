@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rlbus import plugins
 from rlbus.client import Episode, ScoredGroup
+from rlbus.client.tensors import AdapterWeights
 from rlbus.errors import InvalidMessageError
+from rlbus.learner import lora
 from rlbus.learner.distributed import World, shard
 from rlbus.learner.grpo import (
     Whole,
@@ -36,7 +38,7 @@ from rlbus.learner.stats import MaskCounts, StepStats, UpdateStats
 from rlbus.learner.store import PolicyState
 from rlbus.learner.work import RankMessage, Release, TrainOrder, Work
 from rlbus.limits import check_token_ids
-from rlbus.messages import ScoredTrajectory, Trajectory
+from rlbus.messages import LoraAdapter, ScoredTrajectory, Trajectory
 
 
 class StepTrainer(Protocol):
@@ -50,9 +52,9 @@ class StepTrainer(Protocol):
     def step(self, groups: list[ScoredGroup], version: int) -> StepStats:
         """One training step on complete groups, at policy version ``version``."""
 
-    def weights(self) -> nn.Module | None:
-        """What the client publishes after a step (None: no weights, the synthetic
-        engine's load tests)."""
+    def weights(self) -> nn.Module | AdapterWeights | None:
+        """What the client publishes after a step: the model, its LoRA adapter alone, or
+        None (no weights, the synthetic engine's load tests)."""
 
     def state(self) -> PolicyState | None:
         """What a checkpoint keeps of the trainer (None: it has no state)."""
@@ -149,12 +151,21 @@ class Trainer:
             else:
                 self.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
+        self.adapter: LoraAdapter | None = None
+        lr = cfg.lr
+        if cfg.lora.enabled:  # only the adapter trains: the optimizer holds only its params
+            self.model, self.adapter = lora.wrap(self.model, cfg.lora)
+            lr = cfg.lora.lr or 10 * cfg.lr
+        self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=lr,
+            weight_decay=cfg.weight_decay
         )
-        self.scorer: nn.Module = _Scorer(self.model, cfg)
+        # with LoRA, the model peft wrapped (its layers hold the adapter now): the scorer
+        # needs a Hugging Face model's own attributes, which PeftModel hides
+        scored = self.model if self.adapter is None else self.model.get_base_model()
+        self.scorer: nn.Module = _Scorer(scored, cfg)
         self.correction = Correction.of(cfg.off_policy)
         self._replicated = self.world.size == 1
 
@@ -227,7 +238,9 @@ class Trainer:
             self.world.broadcast(Release())
         self.world.close()
 
-    def weights(self) -> nn.Module:
+    def weights(self) -> nn.Module | AdapterWeights:
+        if self.adapter is not None:
+            return lora.adapter_weights(self.model, self.adapter)
         return self.model  # type: ignore[no-any-return]
 
     def optimize(self, work: list[Work]) -> UpdateStats:
@@ -362,13 +375,17 @@ class Trainer:
         )
 
     def state(self) -> PolicyState:
-        return PolicyState(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        model = self.model.state_dict() if self.adapter is None else lora.adapter_state(self.model)
+        return PolicyState(model=model, optimizer=self.optimizer.state_dict())
 
     def restore(self, state: PolicyState | None) -> None:
         if state is None:
             raise ValueError("the checkpoint holds no model (written by a synthetic learner?); "
                              "point RLBUS_CHECKPOINT_DIR elsewhere or remove it")
-        self.model.load_state_dict(state.model)
+        if self.adapter is not None:
+            lora.restore_adapter(self.model, state.model)
+        else:
+            self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
 
 

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="model shape (default tiny; h64 with --engine vllm)")
     demo.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                       help="interpreter of vLLM's venv (make vllm-env)")
+    demo.add_argument("--lora", type=int, default=0, metavar="RANK",
+                      help="train a LoRA adapter of this rank, publish only it (docs/lora.md)")
     demo.add_argument("--secure", action="store_true",
                       help="a local broker with TLS, a SCRAM user per role and ACLs "
                       "(docs/security.md); each service logs in as its own role")

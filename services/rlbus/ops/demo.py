@@ -43,6 +43,10 @@ RECIPE: dict[str, Any] = {
     "RLBUS_EVAL_EPISODES": "128",
 }
 DEFAULT_STEPS = 4800
+LORA_EMBEDDING_STD = 0.2
+"""``--lora``: the demo model's embedding init std (10x the config's; see
+:func:`rlbus.learner.tiny_model.build_tiny_model`), so that a frozen head can express a
+sharp policy."""
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Demo:
     vllm_python: str | None = None
     secure: bool = False
     """A local broker with TLS, a SCRAM user per role and ACLs; each service its own user."""
+    lora: int = 0
+    """The learner trains a LoRA adapter of this rank (0: the whole model)."""
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -85,7 +91,9 @@ class Demo:
             from rlbus.learner.tiny_model import build_tiny_model
 
             transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # noise
-            build_tiny_model(model, size=self.size)
+            # LoRA trains neither the embedding nor the tied head: they get a wider init
+            build_tiny_model(model, size=self.size,
+                             embedding_std=LORA_EMBEDDING_STD if self.lora else None)
         self.model = model
         topics = TopicSettings(prefix=f"demo-{self.run_dir.name}", partitions=4,
                                result_partitions=4)
@@ -141,6 +149,7 @@ class Demo:
                 **settings_env(max_steps=self.steps, checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
                 **tracking_env(),
+                **({"RLBUS_LORA__RANK": str(self.lora)} if self.lora else {}),
             },
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
@@ -224,6 +233,7 @@ def demo_command(args: argparse.Namespace) -> int:
         size=args.size or ("h64" if args.engine == "vllm" else "tiny"),
         vllm_python=_vllm_python(args) if args.engine == "vllm" else None,
         secure=args.secure,
+        lora=args.lora,
     )
     reason = "interrupted (Ctrl-C)"
     # SIGTERM (timeout, a CI cancel, systemd) stops the run like Ctrl-C: services drain,
@@ -249,7 +259,7 @@ def report(demo: Demo, reason: str) -> int:
 
     rows = read_metrics(demo.metrics)
     summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)
-    summary |= {"engine": demo.engine, "model_size": demo.size}
+    summary |= {"engine": demo.engine, "model_size": demo.size, "lora_rank": demo.lora}
     (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plot(rows, demo.run_dir / "reward_curve.png")

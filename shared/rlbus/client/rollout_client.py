@@ -38,6 +38,7 @@ from rlbus.client.position import Position
 from rlbus.client.served import Served, ServedMembers
 from rlbus.client.settings import ClientSettings
 from rlbus.client.tensors import (
+    AdapterWeights,
     Reference,
     check,
     folder_specs,
@@ -58,7 +59,7 @@ from rlbus.messages import (
 )
 from rlbus.topics import Topics
 from rlbus.transport import TP, Bus, Consumer, Delivery, KafkaBus, Producer
-from rlbus.weights import WEIGHTS_FILE, weights_file
+from rlbus.weights import ADAPTER_FILE, WEIGHTS_FILE, weights_file
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class RolloutClient:
         self._preallocating: asyncio.Task[None] | None = None
         self._latest: WeightVersion | None = None
         self._reference: Reference | None = None
+        self._adapter_reference: Reference | None = None
         self._served = ServedMembers(settings.model_name, settings.served_ttl_s)
         self._served_reader: Consumer[WeightsServed] | None = None
         self._scored: Consumer[ScoredTrajectory] | None = None
@@ -399,8 +401,11 @@ class RolloutClient:
                               wait_served: bool = False, timeout_s: float = 120.0,
                               min_members: int = 1) -> WeightVersion:
         """Publish ``weights`` as the next version: a torch state dict, a torch module (a
-        Hugging Face model is one), or a folder (or file) of safetensors; None announces a
-        version with no files (the synthetic engine's load tests). A model wrapped in
+        Hugging Face model is one), a folder (or file) of safetensors, or a LoRA adapter
+        (:class:`~rlbus.client.tensors.AdapterWeights`: only the adapter's folder is written,
+        and the event carries its shape); None announces a version with no files (the
+        synthetic engine's load tests). An adapter must have the previous adapter version's
+        tensors (the first one is unchecked: the trainer built it on the model). A model wrapped in
         DistributedDataParallel or compiled by ``torch.compile`` may be passed as it is: the
         prefix the wrapper puts on every name is taken off.
 
@@ -415,13 +420,16 @@ class RolloutClient:
             version = self.version + 1
             if self._preallocating is not None:
                 await self._preallocating
+            adapter = weights.adapter if isinstance(weights, AdapterWeights) else None
             uri, digest = await asyncio.to_thread(self._write, weights, version)
-            self._preallocating = asyncio.create_task(asyncio.to_thread(
-                self._preallocate_next, uri, version + 1))
+            if adapter is None:  # an adapter is small: no file to reserve ahead
+                self._preallocating = asyncio.create_task(asyncio.to_thread(
+                    self._preallocate_next, uri, version + 1))
             event = WeightVersion(
                 model=self.settings.model_name, version=version, uri=uri, checksum=digest,
                 step=self.steps + 1 if step is None else step,
-                samples_trained=samples_trained, samples_masked=dict(samples_masked or {}))
+                samples_trained=samples_trained, samples_masked=dict(samples_masked or {}),
+                adapter=adapter)
             await self.producer.send(self.topics.weights, event, key=self.settings.model_name)
             self.version, self.steps, self._latest = version, self.steps + 1, event
             self._credit.set()
@@ -432,6 +440,8 @@ class RolloutClient:
     def _write(self, weights: Any, version: int) -> tuple[str, str]:
         if weights is None:
             return "synthetic://", ""
+        if isinstance(weights, AdapterWeights):
+            return self._write_adapter(weights, version)
         prepared = prepare(weights)
         reference = self._reference_now()
         check(prepared, reference, version)
@@ -442,6 +452,29 @@ class RolloutClient:
         self._reference = Reference(read_header(folder / WEIGHTS_FILE),
                                     f"v{version} ({folder})", exact_dtypes=True)
         return str(folder.resolve()), digest
+
+    def _write_adapter(self, weights: AdapterWeights, version: int) -> tuple[str, str]:
+        prepared = prepare(weights.tensors)
+        check(prepared, self._adapter_reference_now(), version)
+        s = self.settings
+        folder, digest = write_version(prepared, s.weights_dir, version, s.keep_weights, set(),
+                                       s.weights_checksum, adapter_config=weights.config)
+        path = folder / ADAPTER_FILE
+        self._adapter_reference = Reference(read_header(path), f"v{version} ({folder})",
+                                            exact_dtypes=True)
+        log.info("published LoRA adapter v%d: %d bytes (rank %d)", version,
+                 path.stat().st_size, weights.adapter.rank)
+        return str(folder.resolve()), digest
+
+    def _adapter_reference_now(self) -> Reference | None:
+        """What the next adapter must hold: the previous adapter version's file (this
+        process's, else the newest announced one's); None before the first."""
+        latest = self._latest
+        if self._adapter_reference is None and latest is not None and latest.adapter:
+            path = weights_file(latest.uri)
+            if path.exists():
+                return Reference(read_header(path), f"v{latest.version} ({path})", True)
+        return self._adapter_reference
 
     def _preallocate_next(self, uri: str, version: int) -> None:
         """The next version's file, reserved at this one's size off the publish path."""
@@ -458,7 +491,7 @@ class RolloutClient:
         if self._reference is not None:
             return self._reference
         latest = self._latest
-        if latest is not None and latest.checksum:
+        if latest is not None and latest.checksum and latest.adapter is None:
             path = weights_file(latest.uri)
             if path.exists():
                 return Reference(read_header(path), f"v{latest.version} ({path})", True)

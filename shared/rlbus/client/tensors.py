@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from rlbus.errors import WeightsMismatchError
+from rlbus.messages import LoraAdapter
 from rlbus.weights import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
     WEIGHTS_FILE,
     ChecksumAlgorithm,
     file_checksum,
@@ -60,6 +63,17 @@ class Reference:
     exact_dtypes: bool
     """True against a previous version (the trainer's own dtype must not change); False
     against the served model folder, whose floating dtype the engines cast from anyway."""
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter to publish (:meth:`rlbus.client.RolloutClient.publish_weights`): its
+    tensors under PEFT's names (``get_peft_model_state_dict``), the ``adapter_config.json``
+    PEFT writes with them, and its shape for the WeightVersion."""
+
+    tensors: Mapping[str, Any]
+    config: Mapping[str, Any]
+    adapter: LoraAdapter
 
 
 @dataclass
@@ -238,20 +252,27 @@ def check(weights: Prepared, reference: Reference | None, version: int) -> None:
 
 
 def write_version(weights: Prepared, weights_dir: Path, version: int, keep: int,
-                  prefer: set[str], checksum: ChecksumAlgorithm = "sha256") -> tuple[Path, str]:
+                  prefer: set[str], checksum: ChecksumAlgorithm = "sha256", *,
+                  adapter_config: Mapping[str, Any] | None = None) -> tuple[Path, str]:
     """Write ``weights`` as ``<weights_dir>/v<version:06d>/model.safetensors`` (to a temporary
     folder first, renamed once complete); returns (folder, checksum string). Of tied names,
-    the one in ``prefer`` (the reference's) is kept. Keeps the newest ``keep`` versions."""
+    the one in ``prefer`` (the reference's) is kept. Keeps the newest ``keep`` versions.
+    ``adapter_config``: ``weights`` are a LoRA adapter, written as PEFT's folder
+    (``adapter_model.safetensors`` and this as ``adapter_config.json``)."""
     folder = weights_dir / f"v{version:06d}"
     tmp = _tmp_folder(weights_dir, version)
-    if not (tmp / WEIGHTS_FILE).is_file():  # else a file preallocated for this version
+    name = WEIGHTS_FILE if adapter_config is None else ADAPTER_FILE
+    if not (tmp / name).is_file():  # else a file preallocated for this version
         shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True, exist_ok=True)
+    if adapter_config is not None:
+        text = json.dumps(dict(adapter_config), indent=2, sort_keys=True)
+        (tmp / ADAPTER_CONFIG).write_text(text + "\n")
     if weights.file is not None:
-        shutil.copyfile(weights.file, tmp / WEIGHTS_FILE)
-        digest = file_checksum(tmp / WEIGHTS_FILE, checksum)
+        shutil.copyfile(weights.file, tmp / name)
+        digest = file_checksum(tmp / name, checksum)
     else:
-        digest = _save(weights, tmp / WEIGHTS_FILE, prefer, checksum)
+        digest = _save(weights, tmp / name, prefer, checksum)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     _prune(weights_dir, keep)

@@ -138,6 +138,8 @@ def _draw(annotation: Any, default: Any, rng: random.Random) -> Any:
     if origin is list and get_origin(args[0]) is Literal:  # a list of names: some of them
         names = get_args(args[0])
         return rng.sample(names, rng.randint(1, len(names)))
+    if origin is list and args[0] is str:  # free names (LoRA's target modules)
+        return rng.sample(STRINGS, rng.randint(1, 3))
     if origin is dict and get_origin(args[1]) is Literal:  # names, each with a choice
         return {rng.choice(STRINGS): rng.choice(get_args(args[1]))
                 for _ in range(rng.randint(1, 3))}

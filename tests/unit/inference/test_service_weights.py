@@ -10,7 +10,14 @@ from rlbus.errors import WeightsMismatchError
 from rlbus.inference.engine import Completion, Engine
 from rlbus.inference.service import Inference
 from rlbus.inference.settings import InferenceSettings
-from rlbus.messages import DeadLetter, Sampling, StepResult, WeightVersion, spans_of
+from rlbus.messages import (
+    DeadLetter,
+    Sampling,
+    StepResult,
+    WeightsServed,
+    WeightVersion,
+    spans_of,
+)
 from rlbus.settings import TopicSettings
 from rlbus.topics import Topics, memory_broker
 from rlbus.transport import MemoryBus
@@ -132,3 +139,39 @@ async def test_with_in_flight_updates_a_version_lands_inside_a_running_batch() -
     assert result.policy_version == 0  # the oldest token's
     assert result.version_spans is not None
     assert [v for v, _ in result.version_spans] == [0, 1]
+
+
+async def test_an_adapter_that_does_not_fit_is_dead_lettered_and_the_old_one_serves(
+        tmp_path: Path) -> None:
+    from rlbus.inference.engines import HFEngine
+    from tests.support.lora import publish, random_adapter, tiny_qwen2
+
+    base, store = tiny_qwen2(tmp_path / "base"), tmp_path / "weights"
+    _, weights = random_adapter(base)
+    broker = memory_broker(TOPICS)
+    bus = MemoryBus(broker, dlq_topic=T.dlq)
+    producer = await bus.producer()
+    for v, rank in ((1, 4), (2, 2)):  # v2 says rank 2 of an adapter of rank 4
+        uri, checksum = publish(weights, store, v)
+        adapter = weights.adapter.model_copy(update={"rank": rank})
+        await producer.send(T.weights, WeightVersion(model="policy", version=v, uri=uri,
+                                                     checksum=checksum, step=v, adapter=adapter),
+                            key="policy")
+    settings = InferenceSettings(topics=TOPICS, weights_dir=store, model_path=base,
+                                 torch_threads=None)
+    engine = HFEngine(settings)
+    await engine.load_adapter(uri, checksum, 1, weights.adapter)  # v1 served (same tensors)
+    inference = Inference(settings, bus, engine)
+
+    def refused() -> bool:
+        served = read_log(broker, T.served, WeightsServed)
+        return bool(broker.logs.get(T.dlq)) and any(s.refused_version == 2 for s in served)
+
+    await run_until([inference], refused)
+
+    [letter] = read_log(broker, T.dlq, DeadLetter)
+    assert letter.reason == "invalid" and "r 4, announced rank 2" in letter.error
+    assert engine.version == 1 and inference.counters["refused_weights"] == 1
+    served = read_log(broker, T.served, WeightsServed)
+    assert served[-1].version == 1 and served[-1].refused_version == 2
+    assert "announced rank 2" in (served[-1].refused_error or "")

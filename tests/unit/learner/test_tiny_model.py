@@ -86,6 +86,20 @@ def test_same_seed_same_weights(tmp_path: Path, folder: Path) -> None:
         assert torch.equal(a, b)
 
 
+def test_a_wider_embedding_for_lora_widens_the_logits(tmp_path: Path, folder: Path) -> None:
+    """The demo's --lora model: its frozen head can put logits far apart (at 0.02 they stay
+    within a few units of each other whatever the hidden state)."""
+    wide = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path, embedding_std=0.2))
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+
+    def spread(model: torch.nn.Module) -> float:
+        head = model.get_output_embeddings().weight  # (V, H), tied to the embedding
+        return float(head.norm(dim=1).max() * head.shape[1] ** 0.5)  # |row| x |normed h|
+
+    assert float(wide.get_input_embeddings().weight.std()) == pytest.approx(0.2, rel=0.1)
+    assert spread(plain) < 2 < 10 < spread(wide)
+
+
 def test_logprobs_do_not_depend_on_padding_side(
     folder: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
