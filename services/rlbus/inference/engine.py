@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from rlbus.messages import FinishReason, Sampling
+from rlbus.errors import WeightsMismatchError
+from rlbus.messages import FinishReason, LoraAdapter, Sampling
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class Engine(ABC):
     @abstractmethod
     async def load(self, uri: str, checksum: str, version: int) -> None:
         """Replace the weights (between batches)."""
+
+    async def load_adapter(self, uri: str, checksum: str, version: int,
+                           adapter: LoraAdapter) -> None:
+        """Serve the base model plus the LoRA adapter in folder ``uri`` from now on, in place
+        of any adapter served before (:attr:`rlbus.messages.WeightVersion.adapter`). An
+        engine that cannot serve adapters refuses: the member keeps serving what it served."""
+        raise WeightsMismatchError(
+            f"v{version} is a LoRA adapter; this engine ({type(self).__name__}) serves none")
 
     async def close(self) -> None:
         return None

@@ -134,7 +134,10 @@ class Inference(Service[InferenceSettings]):
         t0 = time.perf_counter()
         try:
             async with self.engine.step_boundary():  # a no-op unless in-flight updates
-                await self.engine.load(w.uri, w.checksum, w.version)
+                if w.adapter is not None:
+                    await self.engine.load_adapter(w.uri, w.checksum, w.version, w.adapter)
+                else:
+                    await self.engine.load(w.uri, w.checksum, w.version)
         except (ChecksumMismatchError, WeightsMismatchError, OSError) as exc:
             # keep serving the weights we have; a newer announcement will be tried again
             log.error("refusing weights v%d: %s", w.version, exc)
