@@ -380,7 +380,8 @@ def test_inflight_update_with_the_cache_kept(engine_run: dict[str, Any],
 def test_lora_adapters_match_the_merged_weights(engine_run: dict[str, Any]) -> None:
     """Base + adapter through a LoRA request gives the tokens and logprobs of the same
     engine loaded with the merged weights; the second version replaces the first in place
-    (one adapter loaded), and a misfit is refused while the engine serves on."""
+    (one adapter loaded), also inside a running generation, and a misfit is refused while
+    the engine serves on."""
     got = engine_run["lora"]
     deltas = []
     for adapter, merged in (("v3", "merged_5"), ("v4", "merged_6")):
@@ -392,6 +393,14 @@ def test_lora_adapters_match_the_merged_weights(engine_run: dict[str, Any]) -> N
     assert [g["ids"] for g in got["v3"]] != [g["ids"] for g in got["v4"]]
     assert [g["ids"] for g in got["v3"]] != [g["ids"] for g in engine_run["fresh_v1"]]
     assert got["loaded"] == [1]
+    # v4 landed inside a generation on v3 and it ran on: v3's start, then v4's continuation
+    run, k = got["spanning"], got["spanning"]["spans"][0][1]
+    assert run["spans"] == [[3, k], [4, LONG - k]] and SWITCH_AFTER <= k < LONG
+    assert run["ids"][:k] == got["long_v3"]["ids"][:k]
+    assert run["ids"][k:] == got["continued_v4"]["ids"]
+    worst = max(abs(a - b) for a, b in zip(run["logprobs"], got["long_v3"]["logprobs"][:k]
+                                           + got["continued_v4"]["logprobs"], strict=True))
+    assert worst < 1e-4
     refused = got["refused"]
     assert refused["shape"].startswith("WeightsMismatchError") and "q_proj.lora_A" in \
         refused["shape"]
@@ -570,18 +579,35 @@ async def _inflight(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     (out["long_v1"],) = _as_json(await engine.generate([prompt], long))
     for kv in ("keep", "recompute"):
         engine.inflight_kv = kv
-        task = asyncio.ensure_future(engine.generate([prompt], long))
-        await _until_generated(engine, SWITCH_AFTER)
-        await engine.load(v2["uri"], v2["checksum"], 2)
-        (out[kv],) = _as_json(await task)
+        out[kv] = await _spanning(engine, prompt, lambda: engine.load(v2["uri"],
+                                                                      v2["checksum"], 2))
         if kv == "keep":
             await engine.load(v1["uri"], v1["checksum"], 1)
-    k = out["recompute"]["spans"][0][1]
-    rest = Sampling(temperature=0.0, max_new_tokens=LONG - k)
-    (out["continued_v2"],) = _as_json(await engine.generate(
-        [prompt + out["recompute"]["ids"][:k]], rest))
+    out["continued_v2"] = await _continued(engine, prompt, out["recompute"])
     engine._params = params
     return out
+
+
+async def _spanning(engine: Any, prompt: list[int], load: Any) -> dict[str, Any]:
+    """A greedy LONG-token generation with ``load()`` run once it has SWITCH_AFTER tokens."""
+    from rlbus.messages import Sampling
+
+    task = asyncio.ensure_future(engine.generate([prompt], Sampling(temperature=0.0,
+                                                                   max_new_tokens=LONG)))
+    await _until_generated(engine, SWITCH_AFTER)
+    await load()
+    (run,) = _as_json(await task)
+    return run
+
+
+async def _continued(engine: Any, prompt: list[int], run: dict[str, Any]) -> dict[str, Any]:
+    """The engine's greedy continuation of ``prompt`` plus the first span of ``run``."""
+    from rlbus.messages import Sampling
+
+    k = run["spans"][0][1]
+    (cont,) = _as_json(await engine.generate(
+        [prompt + run["ids"][:k]], Sampling(temperature=0.0, max_new_tokens=LONG - k)))
+    return cont
 
 
 async def _until_generated(engine: Any, n: int) -> None:
@@ -595,8 +621,13 @@ async def _until_generated(engine: Any, n: int) -> None:
 
 
 async def _lora(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """On v1: adapter v3, adapter v4 (in place of v3), three misfits refused, then the
-    merged weights of each adapter as full versions 5 and 6."""
+    """On v1: adapter v3, adapter v4 (in place of v3, loaded inside a long generation),
+    three misfits refused, then the merged weights of each adapter as full versions 5
+    and 6."""
+    import functools
+
+    from vllm.sampling_params import SamplingParams
+
     from rlbus.errors import WeightsMismatchError
     from rlbus.messages import LoraAdapter, Sampling
     from rlbus.weights import ChecksumMismatchError
@@ -607,13 +638,23 @@ async def _lora(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     v1 = spec["store"]["1"]
     await engine.load(v1["uri"], v1["checksum"], 1)
     out: dict[str, Any] = {}
-    for version in ("3", "4"):
-        a = lora["adapters"][version]
-        await engine.load_adapter(a["uri"], a["checksum"], int(version), shape)
-        out[f"v{version}"] = _as_json(await engine.generate(prompts, greedy))
+    a3, a4 = lora["adapters"]["3"], lora["adapters"]["4"]
+    await engine.load_adapter(a3["uri"], a3["checksum"], 3, shape)
+    out["v3"] = _as_json(await engine.generate(prompts, greedy))
+    # adapter v4 lands inside a running generation on v3 (recompute), as new weights do
+    params, engine.inflight_kv = engine._params, "recompute"
+    engine._params = functools.partial(SamplingParams, ignore_eos=True)
+    prompt = spec["prompts"][4]
+    (out["long_v3"],) = _as_json(await engine.generate(
+        [prompt], Sampling(temperature=0.0, max_new_tokens=LONG)))
+    out["spanning"] = await _spanning(
+        engine, prompt, lambda: engine.load_adapter(a4["uri"], a4["checksum"], 4, shape))
+    out["continued_v4"] = await _continued(engine, prompt, out["spanning"])
+    engine._params = params
+    out["v4"] = _as_json(await engine.generate(prompts, greedy))
     out["loaded"] = sorted(await engine.llm.list_loras())
     refused = {}
-    a4, misfit = lora["adapters"]["4"], lora["misfit"]
+    misfit = lora["misfit"]
     for why, (uri, checksum, adapter) in {
         "shape": (misfit["uri"], misfit["checksum"], shape),
         "config": (a4["uri"], a4["checksum"], shape.model_copy(update={"rank": 2})),
