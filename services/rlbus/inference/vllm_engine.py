@@ -199,18 +199,19 @@ def _engine_args(cls: Any, settings: InferenceSettings) -> Any:
         enforce_eager=settings.vllm_enforce_eager,
         enable_prefix_caching=settings.vllm_enable_prefix_caching,
         logprobs_mode="processed_logprobs",
-        enable_lora=settings.vllm_max_lora_rank is not None,
-        max_lora_rank=_slot_rank(settings.vllm_max_lora_rank),
-        max_loras=1,
         worker_extension_cls=f"{__name__}.WeightLoader",
         disable_log_stats=True,
+        **_lora_args(settings.vllm_max_lora_rank),
     )
 
 
-def _slot_rank(rank: int | None) -> int | None:
+def _lora_args(rank: int | None) -> dict[str, Any]:
+    """vLLM's LoRA arguments: none when LoRA is off (vLLM's defaults); else one adapter
+    slot (one adapter is served at a time) of the smallest rank vLLM accepts that fits."""
     if rank is None:
-        return None
-    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+        return {}
+    return {"enable_lora": True, "max_loras": 1,
+            "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank)}
 
 
 def _spans(labels: Any) -> list[tuple[int, int]] | None:

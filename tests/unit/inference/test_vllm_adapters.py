@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlbus.errors import WeightsMismatchError
-from rlbus.inference.vllm_engine import VLLMEngine, _slot_rank, _spans, adapter_misfit
+from rlbus.inference.vllm_engine import VLLMEngine, _lora_args, _spans, adapter_misfit
 from rlbus.messages import LoraAdapter
 
 BASE = {"model.layers.0.self_attn.q_proj.weight": (32, 16),
@@ -99,6 +99,7 @@ def test_vllm_slot_ranks_and_version_spans() -> None:
         def __init__(self, version: str, start: int, end: int) -> None:
             self.version, self.start, self.end = version, start, end
 
-    assert [_slot_rank(r) for r in (None, 1, 4, 8, 9, 300)] == [None, 1, 8, 8, 16, 320]
+    assert _lora_args(None) == {}
+    assert [_lora_args(r)["max_lora_rank"] for r in (1, 4, 8, 9, 300)] == [1, 8, 8, 16, 320]
     assert _spans(None) is None
     assert _spans([Span("default", 0, 3), Span("7", 3, 10)]) == [(0, 3), (7, 7)]
