@@ -61,20 +61,20 @@ class InferenceSettings(ServiceSettings):
     """How often this member reports the weights version it serves on weights.served
     (besides at once after each load): what a trainer's ``wait_served`` reads."""
     inflight_updates: bool = False
-    """hf and vllm: apply a newly announced weight version between decode steps of a running batch,
-    not only between batches (PipelineRL-style partial rollouts): the engine decodes with a
-    loop of its own and every token records the version that produced it
-    (``StepResult.version_spans``). Off by default: it changes the generation path (its own
-    sampling loop in place of transformers' ``generate``) and, with ``inflight_kv`` keep,
-    tokens after a switch come from new weights over a cache computed by the old ones
-    (docs/internals.md, "Partial rollouts and in-flight updates"). vllm: a load pauses
-    vLLM's scheduler with mode "keep" (``AsyncLLM.pause_generation``), swaps the weights and
-    resumes; running requests continue where they were (docs/off-policy.md)."""
+    """hf and vllm: apply a newly announced weight version between decode steps of a running
+    batch, not only between batches (PipelineRL-style partial rollouts); every token records
+    the version that produced it (``StepResult.version_spans``). hf: the engine decodes with
+    a loop of its own, in place of transformers' ``generate``. vllm: a load pauses vLLM's
+    scheduler with mode "keep" (``AsyncLLM.pause_generation``), swaps the weights and
+    resumes; running requests continue where they were (docs/off-policy.md, "In-flight
+    updates on vLLM"). Off by default: with ``inflight_kv`` keep, tokens after a switch come
+    from new weights over a cache computed by the old ones, and a completion's behaviour
+    policy is a mixture (docs/internals.md, "Partial rollouts and in-flight updates")."""
     inflight_kv: Literal["keep", "recompute"] = "keep"
-    """hf and vllm with ``inflight_updates``: what happens to the KV cache of a running batch when
-    new weights land. keep (PipelineRL): the cache computed by the old weights stays, only
-    later tokens see the new ones, no extra work; recompute: the whole sequence so far is
-    prefilled again with the new weights, so every later token is exactly what a fresh
+    """hf and vllm with ``inflight_updates``: what happens to the KV cache of a running batch
+    when new weights land. keep (PipelineRL): the cache computed by the old weights stays,
+    only later tokens see the new ones, no extra work; recompute: the whole sequence so far
+    is prefilled again with the new weights, so every later token is exactly what a fresh
     engine with the new weights would give for that prefix (vllm: the pause clears the
     cache, which preempts every running request; each is prefilled again on resume)."""
     seed: int = 0
