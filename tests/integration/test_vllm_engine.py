@@ -7,7 +7,11 @@ the engine scenario, so only one module carries both halves. vLLM spawns its eng
 hence the ``__main__`` guard and the light top-level imports.
 
 One engine start serves the engine tests (a module fixture): fresh weights v1, then an
-in-place reload to v2, then back to v1, which must give v1's tokens exactly. The service test
+in-place reload to v2, then back to v1, which must give v1's tokens exactly; then in-flight
+updates (a long generation that v2 lands in the middle of, with the KV cache kept and
+recomputed) and LoRA (two adapter versions, each against the same engine loaded with the
+merged weights, and misfits refused). The engine runs with ``inflight_updates`` and a LoRA
+slot from the start, so the plain scenario covers that configuration too. The service test
 starts a second engine, inside a real inference process on the real broker.
 
 The venv (VLLM_VENV, default .venv-vllm) is missing: it is built (minutes, what ``make
@@ -31,6 +35,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
 MAX_NEW = 12
+LONG = 100
+"""Tokens of the generation that spans an update."""
+SWITCH_AFTER = 5
+"""Tokens generated before the driver starts loading v2 into that generation."""
+LORA_RANK, LORA_ALPHA, MAX_LORA_RANK = 4, 8.0, 8
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE_ENV = {  # small and quick: no torch.compile, a fixed 0.25 GiB KV cache
     "RLBUS_VLLM_ENFORCE_EAGER": "true",
     "RLBUS_VLLM_KV_CACHE_GIB": "0.25",
@@ -87,12 +97,79 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engine_run(vllm_python: Path, models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-               ) -> dict[str, Any]:
+def lora(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two PEFT-format adapters over v1 (versions 3 and 4), the merged weights of each in a
+    store of their own (5 and 6: W + alpha/r * B @ A, computed here), and a misfit: an
+    adapter whose q_proj lora_A is one column short (vLLM would pad it without a word)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.learner.store import save_weights
+    from rlbus.weights import sha256_file
+
+    root = tmp_path_factory.mktemp("lora")
+    base = AutoModelForCausalLM.from_pretrained(models["v1"], dtype=torch.float32).eval()
+    weights = {k: v for k, v in base.state_dict().items()
+               if k.endswith(".weight") and k.rsplit(".", 2)[-2] in LORA_TARGETS}
+    out: dict[str, Any] = {"adapters": {}, "merged": {}}
+    for version, seed in ((3, 10), (4, 11)):
+        tensors = _adapter(weights, seed)
+        folder = _write_adapter(root / f"a{version}", tensors)
+        out["adapters"][version] = {"uri": str(folder),
+                                    "checksum": sha256_file(folder / "adapter_model.safetensors")}
+        merged = AutoModelForCausalLM.from_pretrained(models["v1"], dtype=torch.float32)
+        state = merged.state_dict()
+        with torch.no_grad():
+            for key in weights:
+                stem = "base_model.model." + key.removesuffix(".weight")
+                a, b = tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"]
+                state[key].add_(LORA_ALPHA / LORA_RANK * (b @ a))
+        path, sha = save_weights(merged, root / "merged", version + 2, keep=2)
+        out["merged"][version + 2] = {"uri": str(path), "checksum": sha}
+    bad = _adapter(weights, 12)
+    key = next(k for k in bad if "q_proj.lora_A" in k)
+    bad[key] = bad[key][:, :-1].contiguous()
+    folder = _write_adapter(root / "misfit", bad)
+    out["misfit"] = {"uri": str(folder),
+                     "checksum": sha256_file(folder / "adapter_model.safetensors")}
+    return out
+
+
+def _adapter(weights: dict[str, Any], seed: int) -> dict[str, Any]:
+    """PEFT's tensors of a rank LORA_RANK adapter on every targeted linear layer; B is not
+    zero (PEFT starts it at zero), so the adapter changes the outputs."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, w in weights.items():  # w: (out, in)
+        stem = "base_model.model." + key.removesuffix(".weight")
+        tensors[f"{stem}.lora_A.weight"] = torch.randn(LORA_RANK, w.shape[1], generator=g) * 0.1
+        tensors[f"{stem}.lora_B.weight"] = torch.randn(w.shape[0], LORA_RANK, generator=g) * 0.1
+    return tensors
+
+
+def _write_adapter(folder: Path, tensors: dict[str, Any]) -> Path:
+    """An adapter folder as peft's ``save_pretrained`` writes it (safetensors + config)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA, "target_modules": LORA_TARGETS, "lora_dropout": 0.0,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "inference_mode": True}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine_run(vllm_python: Path, models: dict[str, Any], lora: dict[str, Any],
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The engine scenario (:func:`drive_engine`) in .venv-vllm; its outputs as JSON."""
     folder = tmp_path_factory.mktemp("engine_run")
     spec = {"model_path": str(models["v1"]), "prompts": models["prompts"],
-            "store": models["store"]}
+            "store": models["store"], "lora": lora}
     (folder / "spec.json").write_text(json.dumps(spec))
     t0 = time.perf_counter()
     proc = subprocess.run(
@@ -123,7 +200,8 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _figures(out: dict[str, Any]) -> str:
-    keys = ("start_s", "first_batch_s", "second_batch_s", "reload_s", "subprocess_s")
+    keys = ("start_s", "first_batch_s", "second_batch_s", "reload_s", "inflight_s", "lora_s",
+            "subprocess_s")
     return ", ".join(f"{k}={out[k]:.2f}" if isinstance(out[k], float) else f"{k}={out[k]}"
                      for k in keys)
 
@@ -245,6 +323,96 @@ def test_reload_changes_outputs_and_matches_a_fresh_engine(engine_run: dict[str,
     assert engine_run["bad_checksum"] == {"refused": True, "version": 1}
 
 
+def _spanning_checks(run: dict[str, Any], long_v1: dict[str, Any]) -> int:
+    """What a generation that v2 landed in must show, whatever the cache: it ran to the end
+    without restarting (its v1 part is the v1 generation's own start), and its tokens say
+    which version made them. Returns the switch point."""
+    k = run["spans"][0][1]
+    assert run["spans"] == [[1, k], [2, LONG - k]], run["spans"]
+    assert SWITCH_AFTER <= k < LONG
+    assert (len(run["ids"]), run["finish"]) == (LONG, "length")
+    assert run["ids"][:k] == long_v1["ids"][:k]
+    worst = max(abs(a - b) for a, b in zip(run["logprobs"][:k], long_v1["logprobs"][:k],
+                                           strict=True))
+    assert worst < 1e-5
+    return k
+
+
+def test_inflight_update_with_the_cache_recomputed(engine_run: dict[str, Any],
+                                                  models: dict[str, Any],
+                                                  hf: dict[int, Any]) -> None:
+    """recompute: the pause preempts the request and vLLM prefills it again with v2, so the
+    v2 part is exactly v2's greedy continuation of the prompt and the v1 part, and each
+    part's logprobs are a fresh model's of that version."""
+    run, long_v1 = engine_run["recompute"], engine_run["long_v1"]
+    k = _spanning_checks(run, long_v1)
+    cont = engine_run["continued_v2"]
+    assert run["ids"][k:] == cont["ids"]
+    worst = max(abs(a - b) for a, b in zip(run["logprobs"][k:], cont["logprobs"], strict=True))
+    assert worst < 1e-4
+    prompt = engine_run["long_prompt"]
+    old = _hf_logprobs(hf[1], prompt, run["ids"], 1.0, 1.0)
+    new = _hf_logprobs(hf[2], prompt, run["ids"], 1.0, 1.0)
+    gaps = [abs(a - b) for a, b in zip(run["logprobs"], old[:k] + new[k:], strict=True)]
+    print(f"\nrecompute: switch after {k} of {LONG} tokens, max |Δ logprob| vs fresh "
+          f"v1/v2 {max(gaps):.2e}")
+    assert max(gaps) < 1e-3
+
+
+def test_inflight_update_with_the_cache_kept(engine_run: dict[str, Any],
+                                             models: dict[str, Any],
+                                             hf: dict[int, Any]) -> None:
+    """keep (the default): the v1 part matches a fresh v1 engine; the v2 part is v2's
+    weights over keys and values v1 computed, so it is not what a fresh v2 engine gives
+    for that prefix (its logprobs are still those of the distribution each token was drawn
+    from, what the learner's ratio needs)."""
+    run = engine_run["keep"]
+    k = _spanning_checks(run, engine_run["long_v1"])
+    prompt = engine_run["long_prompt"]
+    old = _hf_logprobs(hf[1], prompt, run["ids"], 1.0, 1.0)
+    new = _hf_logprobs(hf[2], prompt, run["ids"], 1.0, 1.0)
+    assert max(abs(a - b) for a, b in zip(run["logprobs"][:k], old[:k], strict=True)) < 1e-3
+    gap = max(abs(a - b) for a, b in zip(run["logprobs"][k:], new[k:], strict=True))
+    print(f"\nkeep: switch after {k} of {LONG} tokens, v2 part vs a fresh v2: {gap:.2e}")
+    assert gap > 1e-3, "the kept cache should make the v2 part differ from a fresh v2"
+
+
+def test_lora_adapters_match_the_merged_weights(engine_run: dict[str, Any]) -> None:
+    """Base + adapter through a LoRA request gives the tokens and logprobs of the same
+    engine loaded with the merged weights; the second version replaces the first in place
+    (one adapter loaded), also inside a running generation, and a misfit is refused while
+    the engine serves on."""
+    got = engine_run["lora"]
+    deltas = []
+    for adapter, merged in (("v3", "merged_5"), ("v4", "merged_6")):
+        for a, m in zip(got[adapter], got[merged], strict=True):
+            assert (a["ids"], a["finish"]) == (m["ids"], m["finish"])
+            deltas += [abs(x - y) for x, y in zip(a["logprobs"], m["logprobs"], strict=True)]
+    print(f"\n|Δ logprob| adapter vs merged over {len(deltas)} tokens: max {max(deltas):.2e}")
+    assert max(deltas) < 1e-4
+    assert [g["ids"] for g in got["v3"]] != [g["ids"] for g in got["v4"]]
+    assert [g["ids"] for g in got["v3"]] != [g["ids"] for g in engine_run["fresh_v1"]]
+    assert got["loaded"] == [1]
+    # v4 landed inside a generation on v3 and it ran on: v3's start, then v4's continuation
+    run, k = got["spanning"], got["spanning"]["spans"][0][1]
+    assert run["spans"] == [[3, k], [4, LONG - k]] and SWITCH_AFTER <= k < LONG
+    assert run["ids"][:k] == got["long_v3"]["ids"][:k]
+    assert run["ids"][k:] == got["continued_v4"]["ids"]
+    worst = max(abs(a - b) for a, b in zip(run["logprobs"], got["long_v3"]["logprobs"][:k]
+                                           + got["continued_v4"]["logprobs"], strict=True))
+    assert worst < 1e-4
+    refused = got["refused"]
+    assert refused["shape"].startswith("WeightsMismatchError") and "q_proj.lora_A" in \
+        refused["shape"]
+    assert refused["config"].startswith("WeightsMismatchError") and "r 4, announced rank 2" in refused["config"]
+    assert refused["checksum"].startswith("ChecksumMismatchError")
+    assert got["version_after"] == 4
+    for after, v4 in zip(got["after_refusals"], got["v4"], strict=True):  # still adapter v4
+        assert after["ids"] == v4["ids"]
+        assert max(abs(x - y) for x, y in zip(after["logprobs"], v4["logprobs"],
+                                              strict=True)) < 1e-5
+
+
 @pytest.mark.kafka
 def test_inference_service_end_to_end(vllm_python: Path, models: dict[str, Any],
                                       engine_run: dict[str, Any], kafka_bootstrap: str,
@@ -344,7 +512,9 @@ async def drive_engine(spec: dict[str, Any]) -> dict[str, Any]:
     greedy = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
     out: dict[str, Any] = {"versions": []}
     t0 = time.perf_counter()
-    engine = make_engine(InferenceSettings(engine="vllm", model_path=spec["model_path"]))
+    engine = make_engine(InferenceSettings(engine="vllm", model_path=spec["model_path"],
+                                           inflight_updates=True,
+                                           vllm_max_lora_rank=MAX_LORA_RANK))
     out["start_s"] = time.perf_counter() - t0
 
     async def timed(key: str, sampling: Sampling) -> list[dict[str, Any]]:
@@ -374,7 +544,134 @@ async def drive_engine(spec: dict[str, Any]) -> dict[str, Any]:
     await engine.load(store["1"]["uri"], store["1"]["checksum"], 1)
     out["reloaded_v1"] = await timed("v1_batch_s", greedy)
     out["bad_checksum"] = {"refused": refused, "version": engine.version}
+    t = time.perf_counter()
+    out.update(await _inflight(engine, spec))
+    out["inflight_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    out["lora"] = await _lora(engine, spec)
+    out["lora_s"] = time.perf_counter() - t
     await engine.close()
+    return out
+
+
+def _as_json(gens: list[Any]) -> list[dict[str, Any]]:
+    return [{"ids": g.completion_ids, "logprobs": g.logprobs, "finish": g.finish_reason,
+             "spans": g.version_spans} for g in gens]
+
+
+async def _inflight(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """From v1: a long greedy generation; the same with v2 loaded once it has
+    SWITCH_AFTER tokens, with the cache kept, then (from v1 again) recomputed; and v2's
+    greedy continuation of the recomputed run's v1 part. eos is ignored (a random model
+    may stop anywhere), as the hf engine's test does."""
+    import functools
+
+    from vllm.sampling_params import SamplingParams
+
+    from rlbus.messages import Sampling
+
+    v1, v2 = spec["store"]["1"], spec["store"]["2"]
+    prompt = spec["prompts"][4]
+    long = Sampling(temperature=0.0, max_new_tokens=LONG)
+    params = engine._params
+    engine._params = functools.partial(SamplingParams, ignore_eos=True)
+    out: dict[str, Any] = {"long_prompt": prompt}
+    (out["long_v1"],) = _as_json(await engine.generate([prompt], long))
+    for kv in ("keep", "recompute"):
+        engine.inflight_kv = kv
+        out[kv] = await _spanning(engine, prompt, lambda: engine.load(v2["uri"],
+                                                                      v2["checksum"], 2))
+        if kv == "keep":
+            await engine.load(v1["uri"], v1["checksum"], 1)
+    out["continued_v2"] = await _continued(engine, prompt, out["recompute"])
+    engine._params = params
+    return out
+
+
+async def _spanning(engine: Any, prompt: list[int], load: Any) -> dict[str, Any]:
+    """A greedy LONG-token generation with ``load()`` run once it has SWITCH_AFTER tokens."""
+    from rlbus.messages import Sampling
+
+    task = asyncio.ensure_future(engine.generate([prompt], Sampling(temperature=0.0,
+                                                                   max_new_tokens=LONG)))
+    await _until_generated(engine, SWITCH_AFTER)
+    await load()
+    (run,) = _as_json(await task)
+    return run
+
+
+async def _continued(engine: Any, prompt: list[int], run: dict[str, Any]) -> dict[str, Any]:
+    """The engine's greedy continuation of ``prompt`` plus the first span of ``run``."""
+    from rlbus.messages import Sampling
+
+    k = run["spans"][0][1]
+    (cont,) = _as_json(await engine.generate(
+        [prompt + run["ids"][:k]], Sampling(temperature=0.0, max_new_tokens=LONG - k)))
+    return cont
+
+
+async def _until_generated(engine: Any, n: int) -> None:
+    """Wait until a running request has ``n`` tokens (vLLM's output processor counts them
+    as they come, whatever the output kind)."""
+    deadline = time.monotonic() + 60
+    while max((s.detokenizer.num_output_tokens()
+               for s in engine.llm.output_processor.request_states.values()), default=0) < n:
+        assert time.monotonic() < deadline, "the long generation never reached the switch"
+        await asyncio.sleep(0.001)
+
+
+async def _lora(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """On v1: adapter v3, adapter v4 (in place of v3, loaded inside a long generation),
+    three misfits refused, then the merged weights of each adapter as full versions 5
+    and 6."""
+    import functools
+
+    from vllm.sampling_params import SamplingParams
+
+    from rlbus.errors import WeightsMismatchError
+    from rlbus.messages import LoraAdapter, Sampling
+    from rlbus.weights import ChecksumMismatchError
+
+    prompts, lora = spec["prompts"], spec["lora"]
+    greedy = Sampling(temperature=0.0, max_new_tokens=MAX_NEW)
+    shape = LoraAdapter(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=LORA_TARGETS)
+    v1 = spec["store"]["1"]
+    await engine.load(v1["uri"], v1["checksum"], 1)
+    out: dict[str, Any] = {}
+    a3, a4 = lora["adapters"]["3"], lora["adapters"]["4"]
+    await engine.load_adapter(a3["uri"], a3["checksum"], 3, shape)
+    out["v3"] = _as_json(await engine.generate(prompts, greedy))
+    # adapter v4 lands inside a running generation on v3 (recompute), as new weights do
+    params, engine.inflight_kv = engine._params, "recompute"
+    engine._params = functools.partial(SamplingParams, ignore_eos=True)
+    prompt = spec["prompts"][4]
+    (out["long_v3"],) = _as_json(await engine.generate(
+        [prompt], Sampling(temperature=0.0, max_new_tokens=LONG)))
+    out["spanning"] = await _spanning(
+        engine, prompt, lambda: engine.load_adapter(a4["uri"], a4["checksum"], 4, shape))
+    out["continued_v4"] = await _continued(engine, prompt, out["spanning"])
+    engine._params = params
+    out["v4"] = _as_json(await engine.generate(prompts, greedy))
+    out["loaded"] = sorted(await engine.llm.list_loras())
+    refused = {}
+    misfit = lora["misfit"]
+    for why, (uri, checksum, adapter) in {
+        "shape": (misfit["uri"], misfit["checksum"], shape),
+        "config": (a4["uri"], a4["checksum"], shape.model_copy(update={"rank": 2})),
+        "checksum": (a4["uri"], misfit["checksum"], shape),
+    }.items():
+        try:
+            await engine.load_adapter(uri, checksum, 7, adapter)
+            refused[why] = "loaded"
+        except (WeightsMismatchError, ChecksumMismatchError) as exc:
+            refused[why] = f"{type(exc).__name__}: {exc}"
+    out["refused"] = refused
+    out["after_refusals"] = _as_json(await engine.generate(prompts, greedy))
+    out["version_after"] = engine.version
+    for version in ("5", "6"):
+        m = lora["merged"][version]
+        await engine.load(m["uri"], m["checksum"], int(version))
+        out[f"merged_{version}"] = _as_json(await engine.generate(prompts, greedy))
     return out
 
 

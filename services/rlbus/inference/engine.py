@@ -61,8 +61,8 @@ class Engine(ABC):
         replacing the adapter served before; one that does not fit the base model is a
         :class:`~rlbus.errors.WeightsMismatchError` and changes nothing. This engine serves
         no adapters: every one is refused."""
-        raise WeightsMismatchError(f"adapter v{version}: the {type(self).__name__} serves no "
-                                   "LoRA adapters")
+        raise WeightsMismatchError(
+            f"v{version} is a LoRA adapter; this engine ({type(self).__name__}) serves none")
 
     async def close(self) -> None:
         return None

@@ -5,9 +5,11 @@ after its result is acknowledged by the broker, so a replica killed mid-batch le
 requests to another replica; the requester drops the duplicate answer by ``request_id``.
 Weights are reloaded between batches, never mid-sequence; every result carries the version
 that produced all of its tokens. With ``inflight_updates`` (an engine that supports them:
-hf), a new version is also loaded while a batch generates, at its next decode step
+hf, vllm), a new version is also loaded while a batch generates, at its next decode step
 boundary, and a result whose tokens came from several versions says which produced which
-(``StepResult.version_spans``; ``policy_version`` is then the oldest). The member reports
+(``StepResult.version_spans``; ``policy_version`` is then the oldest). A version with an
+``adapter`` goes to ``Engine.load_adapter``; one the engine refuses (no LoRA, or an adapter
+that does not fit) is handled like weights that fail verification. The member reports
 the version it serves on weights.served (:class:`rlbus.messages.WeightsServed`) once it
 starts serving, after every load or refusal, every ``served_report_s`` in between and when
 it leaves: what a trainer's ``wait_served`` waits on.

@@ -61,19 +61,22 @@ class InferenceSettings(ServiceSettings):
     """How often this member reports the weights version it serves on weights.served
     (besides at once after each load): what a trainer's ``wait_served`` reads."""
     inflight_updates: bool = False
-    """hf: apply a newly announced weight version between decode steps of a running batch,
-    not only between batches (PipelineRL-style partial rollouts): the engine decodes with a
-    loop of its own and every token records the version that produced it
-    (``StepResult.version_spans``). Off by default: it changes the generation path (its own
-    sampling loop in place of transformers' ``generate``) and, with ``inflight_kv`` keep,
-    tokens after a switch come from new weights over a cache computed by the old ones
-    (docs/internals.md, "Partial rollouts and in-flight updates")."""
+    """hf and vllm: apply a newly announced weight version between decode steps of a running
+    batch, not only between batches (PipelineRL-style partial rollouts); every token records
+    the version that produced it (``StepResult.version_spans``). hf: the engine decodes with
+    a loop of its own, in place of transformers' ``generate``. vllm: a load pauses vLLM's
+    scheduler with mode "keep" (``AsyncLLM.pause_generation``), swaps the weights and
+    resumes; running requests continue where they were (docs/off-policy.md, "In-flight
+    updates on vLLM"). Off by default: with ``inflight_kv`` keep, tokens after a switch come
+    from new weights over a cache computed by the old ones, and a completion's behaviour
+    policy is a mixture (docs/internals.md, "Partial rollouts and in-flight updates")."""
     inflight_kv: Literal["keep", "recompute"] = "keep"
-    """hf with ``inflight_updates``: what happens to the KV cache of a running batch when
-    new weights land. keep (PipelineRL): the cache computed by the old weights stays, only
-    later tokens see the new ones, no extra work; recompute: the whole sequence so far is
-    prefilled again with the new weights, so every later token is exactly what a fresh
-    engine with the new weights would give for that prefix."""
+    """hf and vllm with ``inflight_updates``: what happens to the KV cache of a running batch
+    when new weights land. keep (PipelineRL): the cache computed by the old weights stays,
+    only later tokens see the new ones, no extra work; recompute: the whole sequence so far
+    is prefilled again with the new weights, so every later token is exactly what a fresh
+    engine with the new weights would give for that prefix (vllm: the pause clears the
+    cache, which preempts every running request; each is prefilled again on resume)."""
     seed: int = 0
     """Sampling seed; each replica mixes in its instance name for a stream of its own."""
     synthetic: SyntheticEngineSettings = SyntheticEngineSettings()
@@ -94,3 +97,7 @@ class InferenceSettings(ServiceSettings):
     vllm_enable_prefix_caching: bool = True
     """vllm: reuse the KV cache of shared prompt prefixes (multi-turn episodes); the cache
     is reset on every weight load, so no prefix outlives the weights that computed it."""
+    vllm_max_lora_rank: int | None = Field(default=None, ge=1, le=512)
+    """vllm: serve LoRA adapters (a WeightVersion with ``adapter``) up to this rank; None: LoRA
+    is off and an adapter version is refused (the member keeps serving what it served). vLLM
+    sizes its adapter slot at start from this, so it cannot change while running."""

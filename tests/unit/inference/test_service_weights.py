@@ -175,3 +175,25 @@ async def test_an_adapter_that_does_not_fit_is_dead_lettered_and_the_old_one_ser
     served = read_log(broker, T.served, WeightsServed)
     assert served[-1].version == 1 and served[-1].refused_version == 2
     assert "announced rank 2" in (served[-1].refused_error or "")
+
+
+async def test_an_adapter_version_to_an_engine_without_lora_is_refused(tmp_path: Path) -> None:
+    """A LoRA version reaches the engine's ``load_adapter``, not ``load``; an engine that
+    serves no adapters refuses it, and the member keeps serving what it served."""
+    from rlbus.messages import LoraAdapter
+
+    store = tmp_path / "weights"
+    broker = memory_broker(TOPICS)
+    bus = MemoryBus(broker, dlq_topic=T.dlq)
+    producer = await bus.producer()
+    adapter = LoraAdapter(rank=4, alpha=8, target_modules=["q_proj"])
+    await producer.send(T.weights, WeightVersion(model="policy", version=1,
+                                                 uri=str(store / "v000001"), checksum="y",
+                                                 step=1, adapter=adapter), key="policy")
+    engine = RecordingEngine()
+    inference = Inference(InferenceSettings(topics=TOPICS, weights_dir=store), bus, engine)
+
+    await run_until([inference], lambda: inference.counters.get("refused_weights") == 1)
+
+    assert (engine.loaded, engine.version) == ([], 0)
+    assert inference._refused == 1 and "serves none" in (inference._refused_error or "")
