@@ -61,13 +61,14 @@ class InferenceSettings(ServiceSettings):
     """How often this member reports the weights version it serves on weights.served
     (besides at once after each load): what a trainer's ``wait_served`` reads."""
     inflight_updates: bool = False
-    """hf: apply a newly announced weight version between decode steps of a running batch,
-    not only between batches (PipelineRL-style partial rollouts): the engine decodes with a
-    loop of its own and every token records the version that produced it
-    (``StepResult.version_spans``). Off by default: it changes the generation path (its own
-    sampling loop in place of transformers' ``generate``) and, with ``inflight_kv`` keep,
-    tokens after a switch come from new weights over a cache computed by the old ones
-    (docs/internals.md, "Partial rollouts and in-flight updates")."""
+    """hf (and synthetic, as a latency model): apply a newly announced weight version
+    between decode steps of a running batch, not only between batches (PipelineRL-style
+    partial rollouts): the hf engine decodes with a loop of its own and every token
+    records the version that produced it (``StepResult.version_spans``). Off by default:
+    it changes the generation path (its own sampling loop in place of transformers'
+    ``generate``) and, with ``inflight_kv`` keep, tokens after a switch come from new
+    weights over a cache computed by the old ones (docs/internals.md, "Partial rollouts
+    and in-flight updates")."""
     inflight_kv: Literal["keep", "recompute"] = "keep"
     """hf with ``inflight_updates``: what happens to the KV cache of a running batch when
     new weights land. keep (PipelineRL): the cache computed by the old weights stays, only
