@@ -58,6 +58,9 @@ class Demo:
     vllm_python: str | None = None
     secure: bool = False
     """A local broker with TLS, a SCRAM user per role and ACLs; each service its own user."""
+    overrides: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per tier (``learner``, ...), variables on top of the recipe: a benchmark's variant
+    of the demo (loadtest/partial_bench.py)."""
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -147,8 +150,9 @@ class Demo:
         for name, count in counts.items():
             python = self.vllm_python if name == "inference" else None
             for i in range(count):
-                self.procs.spawn(name, i, {**env, **extra[name], **self._login(name),
-                                           **settings_env(instance=i)}, python=python)
+                self.procs.spawn(name, i, {**env, **extra[name], **self.overrides.get(name, {}),
+                                           **self._login(name), **settings_env(instance=i)},
+                                 python=python)
 
     # -- running
 
