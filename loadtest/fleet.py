@@ -161,6 +161,7 @@ def inference_env(s: Scenario) -> dict[str, str]:
     return settings_env(
         engine="synthetic", synthetic=SyntheticEngineSettings(**s.engine.model_dump()),
         max_batch_size=s.inference.max_batch_size, batch_wait_ms=s.inference.batch_wait_ms,
+        inflight_updates=s.inflight_updates,
     )
 
 

@@ -80,6 +80,9 @@ class Scenario(_Section):
     staleness_from: Literal["oldest", "newest"] = "oldest"
     """Which token an episode's staleness counts from (the learner's
     ``RLBUS_STALENESS_FROM``): newest trains partial rollouts whose latest turn is recent."""
+    inflight_updates: bool = False
+    """Inference loads a new version while a batch generates, and each token reports the
+    version that produced it (``RLBUS_INFLIGHT_UPDATES``; the synthetic engine models it)."""
     learner_step_s: float = Field(default=0.5, ge=0)
     max_new_tokens: int = Field(default=8, ge=1)
     env: dict[str, Any] = {}

@@ -5,12 +5,14 @@ learner waiting for stragglers and with it masking them, side by side in one run
     python -m loadtest.staleness_sweep --bounds 2,4 --steps 24 --modes wait
     python -m loadtest.staleness_sweep --smoke --out DIR    # seconds; checks no timing
     python -m loadtest.staleness_sweep --bounds 4 --modes mask --staleness-from oldest,newest
+    python -m loadtest.staleness_sweep --bounds 4 --staleness-from newest --inflight off,on
 
 Each combination is one :func:`loadtest.fleet.run_decoupled` run of the scenario with that
 ``max_staleness`` and ``straggler_wait_s`` (``wait``: the scenario's, 60 s by default;
 ``mask``: 0, a group that would go stale trains without waiting and its late members are
 masked), with staleness counted from each episode's oldest or newest token
-(``--staleness-from``; partial rollouts, docs/internals.md). Prints one row per run:
+(``--staleness-from``; partial rollouts, docs/internals.md), and with or without in-flight
+weight updates at inference (``--inflight``). Prints one row per run:
 samples trained and masked (by cause), steady samples/s
 counting only what trained and its share of the ideal bound, the staleness of what trained,
 the learner's busy share and the seconds it held steps for stragglers. Writes
@@ -37,19 +39,21 @@ def say(text: str) -> None:
 
 
 def one(scenario_name: str, bound: int, mode: str, steps: int, bootstrap: str,
-        out: Path, staleness_from: str = "oldest") -> dict[str, Any]:
+        out: Path, staleness_from: str = "oldest", inflight: bool = False) -> dict[str, Any]:
     base = load(scenario_name)
     update: dict[str, Any] = {"max_staleness": bound, "steps": steps,
-                              "staleness_from": staleness_from}
+                              "staleness_from": staleness_from, "inflight_updates": inflight}
     if mode == "mask":
         update["straggler_wait_s"] = 0.0
     s = base.model_copy(update=update)
     ideal = s.describe()["ideal_samples_per_s"]
-    r = run_decoupled(s, bootstrap, out / f"{bound}-{mode}-{staleness_from}")
+    name = f"{bound}-{mode}-{staleness_from}" + ("-inflight" if inflight else "")
+    r = run_decoupled(s, bootstrap, out / name)
     return {
         "max_staleness": bound,
         "mode": mode,
         "staleness_from": staleness_from,
+        "inflight": inflight,
         "trained": r.samples,
         "masked": r.extra["masked"],
         "masked_by_cause": r.extra["masked_by_cause"],
@@ -71,13 +75,15 @@ def render(runs: list[dict[str, Any]]) -> str:
         causes = x["masked_by_cause"]
         rows.append([
             str(x["max_staleness"]), x["mode"], x.get("staleness_from", "oldest"),
+            "on" if x.get("inflight") else "off",
             str(x["trained"]),
             f"{x['masked']} ({100 * share:.1f}%)",
             f"{causes['stale']} / {causes['failed']} / {causes['invalid']}",
             f"{x['throughput']:.2f}", f"{100 * x['of_ideal']:.0f}%",
             f"{x['staleness_max']:.0f}", f"{x['learner_busy']:.2f}", f"{x['waited_s']:.1f}",
         ])
-    return report.table(["max_staleness", "stragglers", "from", "trained", "masked",
+    return report.table(["max_staleness", "stragglers", "from", "in-flight", "trained",
+                         "masked",
                          "stale / failed / invalid",
                          "trained/s", "of ideal", "staleness max", "learner busy",
                          "waited s"], rows)
@@ -92,6 +98,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="wait (hold the step for stragglers) and/or mask (do not wait)")
     p.add_argument("--staleness-from", default="oldest",
                    help="oldest and/or newest: which token an episode's staleness counts from")
+    p.add_argument("--inflight", default="off",
+                   help="off and/or on: in-flight weight updates at inference")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--out", type=Path, help="output folder (default runs/sweep-<time>)")
     p.add_argument("--smoke", action="store_true",
@@ -107,6 +115,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.staleness_from = args.staleness_from.split(",")
     if bad := [f for f in args.staleness_from if f not in ("oldest", "newest")]:
         p.error(f"--staleness-from: {', '.join(bad)} is not oldest or newest")
+    if bad := [f for f in args.inflight.split(",") if f not in ("off", "on")]:
+        p.error(f"--inflight: {', '.join(bad)} is not off or on")
+    args.inflight = [f == "on" for f in args.inflight.split(",")]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"--modes: {', '.join(bad)} is not one of {', '.join(MODES)}")
     try:
@@ -135,10 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         for bound in args.bounds:
             for mode in args.modes:
                 for since in args.staleness_from:
-                    say(f"max_staleness {bound}, {mode}, staleness from the {since} token")
-                    results["runs"].append(one(args.scenario, bound, mode, args.steps,
-                                               bootstrap, out, since))
-                    report.write_json(out, results, "sweep.json")  # a failure keeps these
+                    for inflight in args.inflight:
+                        say(f"max_staleness {bound}, {mode}, staleness from the {since} "
+                            f"token, in-flight updates {'on' if inflight else 'off'}")
+                        results["runs"].append(one(args.scenario, bound, mode, args.steps,
+                                                   bootstrap, out, since, inflight))
+                        report.write_json(out, results, "sweep.json")  # a failure keeps these
     finally:
         if cluster is not None:
             cluster.stop()

@@ -17,6 +17,7 @@ batch, and each completion records which version produced which token
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import inspect
@@ -26,6 +27,7 @@ import random
 import struct
 import sys
 import threading
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -321,26 +323,48 @@ def _first(*values: Any) -> Any:
 
 
 class SyntheticEngine(Engine):
-    """No model: waits as long as the latency model says and returns uniform tokens."""
+    """No model: waits as long as the latency model says and returns uniform tokens.
+
+    With ``inflight_updates`` it models the hf engine's in-flight path: a load may land
+    while a batch sleeps, and each token reports the version held when its decode step
+    began (a prefill of ``base_ms``, then one step of ``per_token_ms`` per token), so a
+    load test sees the same ``version_spans`` a real engine would report, at no change to
+    the latency model."""
 
     reads_weight_files = False
 
     def __init__(self, settings: InferenceSettings) -> None:
         self.cfg = settings.synthetic
         self.rng = random.Random(settings.seed)
+        self.inflight_updates = settings.inflight_updates
+        self._loads: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        """(monotonic time, version) of the latest loads, for the versions of a batch's
+        tokens."""
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         n = min(self.cfg.completion_tokens, sampling.max_new_tokens)
+        began, version = time.monotonic(), self.version
         await asyncio.sleep((self.cfg.base_ms + self.cfg.per_token_ms * n) / 1000)
+        spans = self._spans(began, version, n) if self.inflight_updates else None
         lp = -math.log(self.cfg.vocab_size)
         vocab = self.cfg.vocab_size
         return [
-            Completion([self.rng.randrange(vocab) for _ in range(n)], [lp] * n, "stop")
+            Completion([self.rng.randrange(vocab) for _ in range(n)], [lp] * n, "stop", spans)
             for _ in prompts
         ]
 
+    def _spans(self, began: float, version: int, n: int) -> list[tuple[int, int]]:
+        """The version of each of ``n`` tokens of a batch that began at ``began`` holding
+        ``version``: the latest one loaded before the token's decode step started."""
+        versions = []
+        for i in range(n):
+            step = began + (self.cfg.base_ms + self.cfg.per_token_ms * i) / 1000
+            versions.append(max([version, *(v for t, v in self._loads if t <= step)]))
+        return spans_of(versions)
+
     async def load(self, uri: str, checksum: str, version: int) -> None:
         self.version = version  # nothing to load; the version still flows through
+        self._loads.append((time.monotonic(), version))
 
 
 def make_engine(settings: InferenceSettings) -> Engine:

@@ -61,9 +61,9 @@ class InferenceSettings(ServiceSettings):
     """How often this member reports the weights version it serves on weights.served
     (besides at once after each load): what a trainer's ``wait_served`` reads."""
     inflight_updates: bool = False
-    """hf and vllm: apply a newly announced weight version between decode steps of a running
-    batch, not only between batches (PipelineRL-style partial rollouts); every token records
-    the version that produced it (``StepResult.version_spans``). hf: the engine decodes with
+    """hf and vllm (and synthetic, as a latency model): apply a newly announced weight
+    version between decode steps of a running batch, not only between batches
+    (PipelineRL-style partial rollouts); every token records the version that produced it (``StepResult.version_spans``). hf: the engine decodes with
     a loop of its own, in place of transformers' ``generate``. vllm: a load pauses vLLM's
     scheduler with mode "keep" (``AsyncLLM.pause_generation``), swaps the weights and
     resumes; running requests continue where they were (docs/off-policy.md, "In-flight

@@ -169,7 +169,7 @@ class Learner(Service[LearnerSettings]):
             model_path=s.model_path, weights_dir=s.weights_dir, keep_weights=s.keep_weights,
             weights_checksum=s.weights_checksum,
             groups_per_step=s.groups_per_step, max_staleness=s.max_staleness,
-            straggler_wait_s=s.straggler_wait_s)
+            staleness_from=s.staleness_from, straggler_wait_s=s.straggler_wait_s)
 
     def _restore(self, checkpoint: Checkpoint | None) -> Position:
         """Rewind the trainer and the learner's counts; the client's position to resume."""

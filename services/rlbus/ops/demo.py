@@ -64,6 +64,9 @@ class Demo:
     """A local broker with TLS, a SCRAM user per role and ACLs; each service its own user."""
     lora: int = 0
     """The learner trains a LoRA adapter of this rank (0: the whole model)."""
+    overrides: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per tier (``learner``, ...), variables on top of the recipe: a benchmark's variant
+    of the demo (loadtest/partial_bench.py)."""
     procs: ServiceProcesses = field(init=False)
     cluster: Any = None
     model: Path = Path()
@@ -156,8 +159,9 @@ class Demo:
         for name, count in counts.items():
             python = self.vllm_python if name == "inference" else None
             for i in range(count):
-                self.procs.spawn(name, i, {**env, **extra[name], **self._login(name),
-                                           **settings_env(instance=i)}, python=python)
+                self.procs.spawn(name, i, {**env, **extra[name], **self.overrides.get(name, {}),
+                                           **self._login(name), **settings_env(instance=i)},
+                                 python=python)
 
     # -- running
 

@@ -9,9 +9,11 @@ taken or they are dropped, so the consumer's committable offsets never pass an e
 that was not handed to the trainer.
 
 Complete training groups are handed out oldest weights first (the version their first
-token was sampled with), and :meth:`GroupAssembler.due` names the groups whose last chance
-to train within the staleness bound is the next step: the client waits for those rather
-than let them go stale (docs/performance.md, "Stragglers"). Evaluation groups are kept
+token was sampled with, or with ``staleness_from`` newest, the version of the newest token
+of their first member back: what the learner's stale mask counts from), and
+:meth:`GroupAssembler.due` names the groups whose last chance to train within the staleness
+bound is the next step: the client waits for those rather than let them go stale
+(docs/performance.md, "Stragglers"). Evaluation groups are kept
 apart: they are handed out as soon as they are complete.
 """
 
@@ -170,6 +172,12 @@ class Group:
     """The oldest policy version of any member back so far (-1: none back yet, or only
     failures with no turn). A group's episodes start together, so the first member back
     tells the version of them all; the minimum covers one that was redelivered."""
+    newest: bool = False
+    """Staleness counts from each episode's newest token (``staleness_from`` newest)."""
+    counted: int = -1
+    """The version the group's staleness counts from: ``started``, or with ``newest`` the
+    oldest of its members' newest tokens (the member back that goes stale first; one still
+    running samples its last turn later than any member back)."""
 
     @property
     def complete(self) -> bool:
@@ -185,6 +193,8 @@ class Group:
         if t.turns:  # a failed episode with no turns says nothing about the weights
             self.started = t.min_version if self.started < 0 else min(self.started,
                                                                       t.min_version)
+            mine = t.max_version if self.newest else t.min_version
+            self.counted = mine if self.counted < 0 else min(self.counted, mine)
 
     def scored(self) -> ScoredGroup:
         """The group as a trainer receives it."""
@@ -199,7 +209,9 @@ class Group:
 class GroupAssembler:
     """Collects episodes into groups; remembers which groups were taken."""
 
-    def __init__(self, taken: list[str] | None = None, remember: int = 100_000) -> None:
+    def __init__(self, taken: list[str] | None = None, remember: int = 100_000,
+                 staleness_from: Literal["oldest", "newest"] = "oldest") -> None:
+        self.newest = staleness_from == "newest"
         self.open: dict[str, Group] = {}
         self.ready: list[Group] = []
         """Complete training groups, in completion order."""
@@ -218,7 +230,8 @@ class GroupAssembler:
         if t.group_id in self.taken or self._complete(t.group_id) is not None:
             self.duplicates += 1
             return [d]
-        group = self.open.setdefault(t.group_id, Group(t.group_id, t.group_size, t.purpose))
+        group = self.open.setdefault(t.group_id, Group(t.group_id, t.group_size, t.purpose,
+                                                       newest=self.newest))
         if t.index in group.members or t.index >= group.size:
             self.duplicates += 1
             return [d]
@@ -244,14 +257,14 @@ class GroupAssembler:
 
     def take(self, n: int, last_chance: int | None = None) -> list[Group]:
         """``n`` complete training groups, marked taken: first those whose last chance to
-        train within the staleness bound is this step (sampled at ``last_chance``), then
-        the rest oldest weights first (ties: the first completed). Groups already past the
-        bound, or with no turn at all, cannot train within it (the trainer masks them; the
-        client masks nothing): they go after the last-chance ones, or they would take their
-        places and make them stale too, and before the younger ones, so they never wait
-        long to be acked."""
+        train within the staleness bound is this step (counted from ``last_chance``:
+        :attr:`Group.counted`), then the rest oldest first (ties: the first completed).
+        Groups already past the bound, or with no turn at all, cannot train within it (the
+        trainer masks them; the client masks nothing): they go after the last-chance ones,
+        or they would take their places and make them stale too, and before the younger
+        ones, so they never wait long to be acked."""
         def key(g: Group) -> tuple[bool, int]:
-            return (last_chance is None or g.started != last_chance, g.started)
+            return (last_chance is None or g.counted != last_chance, g.counted)
 
         self.ready.sort(key=key)  # stable: completion order within a version
         taken, self.ready = self.ready[:n], self.ready[n:]
@@ -272,16 +285,17 @@ class GroupAssembler:
             self.taken.popitem(last=False)
 
     def due(self, version: int, max_staleness: int, n: int) -> list[str]:
-        """Incomplete training groups that a step at ``version`` should wait for: sampled
-        exactly ``max_staleness`` versions ago, so this step is their last chance to train
-        within the bound. Only as many as the step has places left for after the complete
-        groups at their last chance too (:meth:`take` gives those the first places)."""
+        """Incomplete training groups that a step at ``version`` should wait for: counted
+        (:attr:`Group.counted`) exactly ``max_staleness`` versions ago, so this step is
+        their last chance to train within the bound. Only as many as the step has places
+        left for after the complete groups at their last chance too (:meth:`take` gives
+        those the first places)."""
         last_chance = version - max_staleness
         if last_chance < 0:  # no version that old: nothing can go stale yet
             return []
         waiting = [g.group_id for g in self.open.values()
-                   if g.started == last_chance and g.purpose == "train"]
-        claimed = sum(g.started == last_chance for g in self.ready)
+                   if g.counted == last_chance and g.purpose == "train"]
+        claimed = sum(g.counted == last_chance for g in self.ready)
         return waiting[:max(0, n - claimed)]
 
     def taken_ids(self) -> list[str]:

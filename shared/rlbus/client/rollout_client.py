@@ -101,7 +101,8 @@ class RolloutClient:
             raise PositionError(f"the position is of topic {start.topic}; this client reads "
                                 f"{self.topics.scored} (RLBUS_TOPICS__PREFIX?)")
         self._offsets = dict(start.offsets)
-        self.assembler = GroupAssembler(start.taken, settings.remember_groups)
+        self.assembler = GroupAssembler(start.taken, settings.remember_groups,
+                                        settings.staleness_from)
         """The groups being assembled (to inspect: ``duplicates`` dropped, ``held``)."""
         self.submitted = start.submitted
         """Training groups submitted, over the trainer's whole run."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,6 +55,11 @@ class ClientSettings(BaseModel):
     The credit window admits training groups at most this far ahead; ``receive`` waits for
     a straggling group whose last chance within the bound is the next step (up to
     ``straggler_wait_s``)."""
+    staleness_from: Literal["oldest", "newest"] = "oldest"
+    """Which of an episode's tokens the bound counts from for ordering and waiting: the
+    oldest, or the newest (the learner's ``staleness_from``: a partial rollout whose latest
+    part is recent trains, so its group need not be waited for until that part's last
+    chance). The credit window counts groups, whatever this says."""
     straggler_wait_s: float = Field(default=60.0, ge=0)
     """Longest ``receive`` holds back for a group that would otherwise go stale (its
     other members are back, one is still running); 0: never wait."""

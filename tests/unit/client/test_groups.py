@@ -101,3 +101,28 @@ def test_an_episode_from_several_versions_exposes_each_tokens_version() -> None:
     assert seg.versions == [-1, -1, 1, 1, -1, -1, 2, 3, 3]
     sampled = [v for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m]
     assert -1 not in sampled
+
+
+def _spanning(group_id: str, index: int, oldest: int, newest: int) -> Delivery[object]:
+    """An episode whose turns came from versions ``oldest`` to ``newest``."""
+    t = factories.trajectory(group_id, index, version=oldest)
+    later = Turn(input_ids=[7], completion_ids=[4], logprobs=[-1.0], policy_version=newest)
+    scored = ScoredTrajectory(trajectory=t.model_copy(update={"turns": [*t.turns, later]}),
+                              reward=1.0)
+    return Delivery("scored", 0, index, None, scored, {}, 0)
+
+
+@pytest.mark.parametrize(("staleness_from", "due_at"), [("oldest", 5), ("newest", 7)])
+def test_a_straggling_group_is_due_when_the_token_the_learner_counts_reaches_the_bound(
+        staleness_from, due_at):
+    """Its member back ran from v1 to v3: the learner's stale mask counts from v1 (oldest)
+    or v3 (newest), so the client waits for its straggler at that version's last chance
+    (bound 4) and not before."""
+    assembler = GroupAssembler(staleness_from=staleness_from)
+    assembler.add(_spanning("run/0", 0, oldest=1, newest=3))
+    for version in range(2, 9):
+        due = assembler.due(version, max_staleness=4, n=4)
+        assert due == (["run/0"] if version == due_at else [])
+    assembler.add(_spanning("run/0", 1, oldest=1, newest=4))
+    (taken,) = assembler.take(1, last_chance=due_at - 4)
+    assert taken.started == 1 and taken.counted == due_at - 4

@@ -1,10 +1,13 @@
-"""The hf engine's in-flight weight updates: a generation that spans a weight update
+"""In-flight weight updates. The hf engine's: a generation that spans a weight update
 finishes without restarting, its tokens carry both versions, and each version's part has
 the logprobs a fresh engine gives (the new part exactly with ``inflight_kv`` recompute;
-with keep, the new part's cache came from the old weights, and its logprobs differ)."""
+with keep, the new part's cache came from the old weights, and its logprobs differ). The
+synthetic engine's latency model: each token dated by the version held when its modelled
+decode step began."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -14,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlbus.inference.engines import HFEngine
-from rlbus.inference.settings import InferenceSettings
+from rlbus.inference.engines import HFEngine, SyntheticEngine
+from rlbus.inference.settings import InferenceSettings, SyntheticEngineSettings
 from rlbus.learner.store import save_weights
 from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.messages import Sampling
@@ -157,3 +160,34 @@ async def test_a_generation_spanning_an_update_with_the_cache_kept(
     torch.testing.assert_close(got[:SWITCH_AT], old[:SWITCH_AT], atol=1e-4, rtol=1e-4)
     gap = (got[SWITCH_AT:] - new[SWITCH_AT:]).abs().max().item()
     assert gap > 1e-3, "the kept cache should make the new part differ from a fresh v1"
+
+
+def synthetic(**kw: Any) -> SyntheticEngine:
+    return SyntheticEngine(InferenceSettings(engine="synthetic", inflight_updates=True,
+                                             synthetic=SyntheticEngineSettings(**kw)))
+
+
+def test_the_synthetic_engine_dates_each_token_by_its_modelled_decode_step() -> None:
+    e = synthetic(base_ms=10, per_token_ms=20, completion_tokens=8)
+    e._loads.extend([(100.0, 1), (100.055, 2), (100.500, 3)])
+    # steps begin at +10, +30, +50, +70 ... ms: v1 until the load at +55 ms, then v2
+    assert e._spans(100.0, 1, 8) == [(1, 3), (2, 5)]
+    assert e._spans(100.0, 1, 2) == [(1, 2)]
+
+
+async def test_a_synthetic_generation_spanning_a_load_reports_both_versions() -> None:
+    e = synthetic(base_ms=0, per_token_ms=50, completion_tokens=8)
+    generating = asyncio.create_task(e.generate([PROMPT, PROMPT], Sampling(max_new_tokens=8)))
+    await asyncio.sleep(0)  # the batch has begun its first decode step, at v0
+    await e.load("unused", "unused", 1)
+    for c in await generating:
+        assert c.version_spans == [(0, 1), (1, 7)]
+        assert len(c.completion_ids) == 8
+
+
+async def test_the_synthetic_engine_without_inflight_updates_reports_no_spans() -> None:
+    e = SyntheticEngine(InferenceSettings(engine="synthetic"))
+    generating = asyncio.create_task(e.generate([PROMPT], Sampling(max_new_tokens=8)))
+    await asyncio.sleep(0)
+    await e.load("unused", "unused", 1)
+    assert [c.version_spans for c in await generating] == [None]
