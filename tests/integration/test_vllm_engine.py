@@ -404,7 +404,8 @@ def test_lora_adapters_match_the_merged_weights(engine_run: dict[str, Any]) -> N
     refused = got["refused"]
     assert refused["shape"].startswith("WeightsMismatchError") and "q_proj.lora_A" in \
         refused["shape"]
-    assert refused["config"].startswith("WeightsMismatchError") and "r 4, announced rank 2" in refused["config"]
+    assert refused["config"].startswith("WeightsMismatchError")
+    assert "r 4, announced rank 2" in refused["config"]
     assert refused["checksum"].startswith("ChecksumMismatchError")
     assert got["version_after"] == 4
     for after, v4 in zip(got["after_refusals"], got["v4"], strict=True):  # still adapter v4

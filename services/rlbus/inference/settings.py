@@ -63,13 +63,14 @@ class InferenceSettings(ServiceSettings):
     inflight_updates: bool = False
     """hf and vllm (and synthetic, as a latency model): apply a newly announced weight
     version between decode steps of a running batch, not only between batches
-    (PipelineRL-style partial rollouts); every token records the version that produced it (``StepResult.version_spans``). hf: the engine decodes with
-    a loop of its own, in place of transformers' ``generate``. vllm: a load pauses vLLM's
-    scheduler with mode "keep" (``AsyncLLM.pause_generation``), swaps the weights and
-    resumes; running requests continue where they were (docs/off-policy.md, "In-flight
-    updates on vLLM"). Off by default: with ``inflight_kv`` keep, tokens after a switch come
-    from new weights over a cache computed by the old ones, and a completion's behaviour
-    policy is a mixture (docs/internals.md, "Partial rollouts and in-flight updates")."""
+    (PipelineRL-style partial rollouts); every token records the version that produced it
+    (``StepResult.version_spans``). hf: the engine decodes with a loop of its own, in place
+    of transformers' ``generate``. vllm: a load pauses vLLM's scheduler with mode "keep"
+    (``AsyncLLM.pause_generation``), swaps the weights and resumes; running requests
+    continue where they were (docs/off-policy.md, "In-flight updates on vLLM"). Off by
+    default: with ``inflight_kv`` keep, tokens after a switch come from new weights over a
+    cache computed by the old ones, and a completion's behaviour policy is a mixture
+    (docs/internals.md, "Partial rollouts and in-flight updates")."""
     inflight_kv: Literal["keep", "recompute"] = "keep"
     """hf and vllm with ``inflight_updates``: what happens to the KV cache of a running batch
     when new weights land. keep (PipelineRL): the cache computed by the old weights stays,
