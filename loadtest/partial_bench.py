@@ -15,7 +15,7 @@ The arms (:data:`ARMS`):
   weights between decode steps (``RLBUS_INFLIGHT_UPDATES``), the loss is decoupled PPO
   with truncated importance weights (``tis``, C = 2), and the learner holds a step, up to
   ``straggler_wait_s``, for a group at its last chance within the bound (docs/off-policy.md,
-  "Partial rollouts on long_tail": why the waiting, not the per-token versions, is what
+  "Masking or partial rollouts": why the waiting, not the per-token versions, is what
   brings the stale share to zero on this shape).
 
 Two parts, each running both arms:
