@@ -222,9 +222,12 @@ def optimizer_step(model: Any) -> None:
 # --------------------------------------------------------------------------- the run
 
 
-async def measure(bootstrap: str, folder: Path, name: str, repeats: int,
-                  store: Path) -> dict[str, Any]:
-    """``repeats`` interleaved rounds of every arm for the model in ``folder``."""
+Member = tuple[dict[str, Any], "BenchEngine", Inference, "asyncio.Task[dict[str, Any]]"]
+
+
+async def serving_member(bootstrap: str, folder: Path, store: Path) -> Member:
+    """Topics of their own and an inference member serving the model in ``folder`` from
+    ``store``: the client's common settings, the member's engine, the member, its task."""
     kafka = KafkaSettings(bootstrap=bootstrap)
     topics = TopicSettings(prefix=f"wpbench-{uuid.uuid4().hex[:8]}", partitions=1,
                            result_partitions=1)
@@ -235,7 +238,13 @@ async def measure(bootstrap: str, folder: Path, name: str, repeats: int,
                                             served_report_s=1.0),
                           KafkaBus(kafka, dlq_topic=Topics(topics).dlq, service="inference"),
                           engine)
-    served = asyncio.create_task(inference.run())
+    return common, engine, inference, asyncio.create_task(inference.run())
+
+
+async def measure(bootstrap: str, folder: Path, name: str, repeats: int,
+                  store: Path) -> dict[str, Any]:
+    """``repeats`` interleaved rounds of every arm for the model in ``folder``."""
+    common, engine, inference, served = await serving_member(bootstrap, folder, store)
     model = learner_model(folder)
     client = await RolloutClient.connect(ClientSettings(
         **common, model_path=folder, weights_dir=store, keep_weights=2))
@@ -268,17 +277,7 @@ async def measure_lora(bootstrap: str, folder: Path, name: str, repeats: int,
     from rlbus.learner import lora
     from rlbus.learner.settings import LoraSettings
 
-    kafka = KafkaSettings(bootstrap=bootstrap)
-    topics = TopicSettings(prefix=f"wpbench-{uuid.uuid4().hex[:8]}", partitions=1,
-                           result_partitions=1)
-    await ensure_topics(kafka, topics)
-    common: dict[str, Any] = {"kafka": kafka, "topics": topics}
-    engine = BenchEngine(InferenceSettings(model_path=folder, engine="hf", weights_dir=store))
-    inference = Inference(InferenceSettings(**common, model_path=folder, weights_dir=store,
-                                            served_report_s=1.0),
-                          KafkaBus(kafka, dlq_topic=Topics(topics).dlq, service="inference"),
-                          engine)
-    served = asyncio.create_task(inference.run())
+    common, _engine, inference, served = await serving_member(bootstrap, folder, store)
     model, adapter = lora.wrap(learner_model(folder), LoraSettings(rank=rank))
     client = await RolloutClient.connect(ClientSettings(
         **common, model_path=folder, weights_dir=store, keep_weights=2))

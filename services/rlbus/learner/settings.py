@@ -17,6 +17,17 @@ from rlbus.weights import ChecksumAlgorithm
 OffPolicyMode = Literal["none", "decoupled", "tis", "token_mask", "seq_mask"]
 
 
+def _name_list(value: object) -> object:
+    """A comma list as people write it, or JSON as :func:`rlbus.settings.settings_env`
+    renders a list; each name once, in order (anything else is left to pydantic)."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else text.split(",")
+    if isinstance(value, list | tuple):
+        return list(dict.fromkeys(str(v).strip() for v in value if str(v).strip()))
+    return value
+
+
 class OffPolicySettings(BaseModel):
     """How the loss corrects for the gap between the behaviour policy mu (the logprobs the
     engine reported while sampling) and pi_old (the weights the learner trains from), both
@@ -79,12 +90,7 @@ class LoraSettings(BaseModel):
     @field_validator("target_modules", mode="before")
     @classmethod
     def _module_list(cls, value: object) -> object:
-        if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("[") else text.split(",")
-        if isinstance(value, list | tuple):
-            return list(dict.fromkeys(str(v).strip() for v in value if str(v).strip()))
-        return value
+        return _name_list(value)
 
 
 class LearnerSettings(ServiceSettings):
@@ -247,11 +253,4 @@ class LearnerSettings(ServiceSettings):
     @field_validator("tracking", mode="before")
     @classmethod
     def _sink_list(cls, value: object) -> object:
-        """A comma list as people write it, or JSON as :func:`rlbus.settings.settings_env`
-        renders a list; each name once, in order."""
-        if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("[") else text.split(",")
-        if isinstance(value, list | tuple):
-            return list(dict.fromkeys(str(v).strip() for v in value if str(v).strip()))
-        return value
+        return _name_list(value)
