@@ -79,9 +79,10 @@ class LoraSettings(BaseModel):
     """Module names the adapter wraps (a comma list, e.g. q_proj,v_proj); ``all-linear``
     (PEFT's): every linear layer but the output head."""
     lr: float | None = Field(default=None, gt=0)
-    """The adapter's AdamW learning rate; None: 10 x ``lr`` (LoRA trains few parameters
-    from a zero start and wants a larger step than full fine-tuning, about 10x in the
-    LoRA papers' and the RL peers' recipes)."""
+    """The adapter's AdamW learning rate; None: the learner's ``lr``. The LoRA papers and
+    some RL peers raise it about 10x for a pretrained model at a full fine-tuning rate of
+    1e-5 to 1e-6; on the demo's model (``lr`` 1e-3) 10x made the adapter diverge even in
+    supervised training, and 1x learned (docs/lora.md, "Learning rate")."""
 
     @property
     def enabled(self) -> bool:

@@ -156,7 +156,7 @@ class Trainer:
         lr = cfg.lr
         if cfg.lora.enabled:  # only the adapter trains: the optimizer holds only its params
             self.model, self.adapter = lora.wrap(self.model, cfg.lora)
-            lr = cfg.lora.lr or 10 * cfg.lr
+            lr = cfg.lora.lr or cfg.lr
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=lr,
