@@ -47,6 +47,11 @@ LORA_EMBEDDING_STD = 0.2
 """``--lora``: the demo model's embedding init std (10x the config's; see
 :func:`rlbus.learner.tiny_model.build_tiny_model`), so that a frozen head can express a
 sharp policy."""
+LORA_LR = "0.0005"
+"""``--lora``: the adapter's learning rate, half the recipe's ``RLBUS_LR``. Searched with two
+demo runs at a time for 9 minutes (docs/lora.md, "Learning rate"): best greedy success 0.80
+at 5e-4, 0.65 at 1e-3 (the setting's default: the learner's rate), 0.49 at 3e-3 and at most
+0.18 from 1e-2 up."""
 
 
 @dataclass
@@ -152,7 +157,8 @@ class Demo:
                 **settings_env(max_steps=self.steps, checkpoint_dir=self.run_dir / "checkpoint",
                                metrics_file=self.metrics, run_name=self.run_dir.name),
                 **tracking_env(),
-                **({"RLBUS_LORA__RANK": str(self.lora)} if self.lora else {}),
+                **({"RLBUS_LORA__RANK": str(self.lora), "RLBUS_LORA__LR": LORA_LR}
+                   if self.lora else {}),
             },
         }
         counts = {"inference": self.inference, "reward": 1, "rollout": self.rollouts, "learner": 1}
@@ -263,7 +269,8 @@ def report(demo: Demo, reason: str) -> int:
 
     rows = read_metrics(demo.metrics)
     summary = summarize(rows, reason, time.monotonic() - demo.started, RECIPE)
-    summary |= {"engine": demo.engine, "model_size": demo.size, "lora_rank": demo.lora}
+    summary |= {"engine": demo.engine, "model_size": demo.size, "lora_rank": demo.lora,
+                **({"lora_lr": float(LORA_LR)} if demo.lora else {})}
     (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rows:
         write_plot(rows, demo.run_dir / "reward_curve.png")

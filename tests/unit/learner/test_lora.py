@@ -50,7 +50,8 @@ def test_a_lora_step_changes_only_the_adapter(base: Path) -> None:
     assert {k for k in before if ".lora_A." in k} <= changed
     assert t.adapter == LoraAdapter(rank=4, alpha=8.0, target_modules=[
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
-    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(10 * t.cfg.lr)
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(t.cfg.lr)  # the default
+    assert trainer(base, lr=5e-4).optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
 
 
 @pytest.mark.parametrize(("lora", "says"), [
