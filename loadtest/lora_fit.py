@@ -28,11 +28,13 @@ from rlbus.learner import lora
 from rlbus.learner.settings import LoraSettings
 from rlbus.learner.tiny_model import build_tiny_model
 from rlbus.ops.demo import LORA_EMBEDDING_STD, RECIPE
-from rlbus.tasks import HIGHER, LOWER, GuessNumber
+from rlbus.tasks import CORRECT, GuessNumber, guess_feedback, replay_guesses
 
 
 def sequences(tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """(ids, labels) of binary search for every target; labels -100 but on the guesses."""
+    """(ids, labels) of binary search for every target; labels -100 but on the guesses.
+    The game is the task's own: what its answers still allow after the guesses so far
+    (:func:`rlbus.tasks.replay_guesses`), and its answer to each guess."""
     task = GuessNumber()
 
     def encode(text: str) -> list[int]:
@@ -42,20 +44,21 @@ def sequences(tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     for target in range(task.low, task.high + 1):
         spec = {"target": target, "low": task.low, "high": task.high,
                 "max_turns": task.max_turns}
-        prompt = asyncio.run(task.make_env().reset(spec))
-        ids = encode(prompt)
+        ids = encode(asyncio.run(task.make_env().reset(spec)))
         labels = [-100] * len(ids)
-        low, high = task.low, task.high
-        for _ in range(task.max_turns):
-            guess = (low + high) // 2
-            g = encode(str(guess))
-            ids, labels = ids + g, labels + g
-            if guess == target:
+        guesses: list[str] = []
+        while len(guesses) < task.max_turns:
+            game = replay_guesses(spec, guesses)
+            if game.found:
                 break
-            answer = HIGHER if target > guess else LOWER
-            a = encode(answer)
-            ids, labels = ids + a, labels + [-100] * len(a)
-            low, high = (guess + 1, high) if answer == HIGHER else (low, guess - 1)
+            guess = str((game.low + game.high) // 2)
+            guesses.append(guess)
+            g = encode(guess)
+            ids, labels = ids + g, labels + g
+            answer = guess_feedback(spec, int(guess))
+            if answer != CORRECT:
+                a = encode(answer)
+                ids, labels = ids + a, labels + [-100] * len(a)
         out.append((ids, labels))
     return out
 
