@@ -8,8 +8,10 @@ decode step began."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlbus.inference import engines
 from rlbus.inference.engines import HFEngine, SyntheticEngine
 from rlbus.inference.settings import InferenceSettings, SyntheticEngineSettings
 from rlbus.learner.store import save_weights
@@ -175,7 +178,13 @@ def test_the_synthetic_engine_dates_each_token_by_its_modelled_decode_step() -> 
     assert e._spans(100.0, 1, 2) == [(1, 2)]
 
 
-async def test_a_synthetic_generation_spanning_a_load_reports_both_versions() -> None:
+async def test_a_synthetic_generation_spanning_a_load_reports_both_versions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine's clock, 10 ms a reading: the load lands 10 ms into the first 50 ms decode
+    # step however long this machine takes between the two (a busy one can take 50 ms)
+    readings = itertools.count()
+    monkeypatch.setattr(engines, "time",
+                        types.SimpleNamespace(monotonic=lambda: 100 + next(readings) / 100))
     e = synthetic(base_ms=0, per_token_ms=50, completion_tokens=8)
     generating = asyncio.create_task(e.generate([PROMPT, PROMPT], Sampling(max_new_tokens=8)))
     await asyncio.sleep(0)  # the batch has begun its first decode step, at v0
